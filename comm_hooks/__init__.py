@@ -1,0 +1,37 @@
+"""Communication: sign bit packing, the majority-vote collective, DDP hooks and their state."""
+
+from .collective import ALGORITHMS, TIE_MODES, CommStats, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .packing import (
+    has_zero,
+    pack_nonzero,
+    pack_nonzero_reference,
+    pack_signs,
+    pack_signs_reference,
+    packed_size,
+    unpack_signs,
+    unpack_signs_reference,
+)
+from .sign_vote_hook import SignVoteState, allreduce_mean, sign_vote_hook
+from .vote import vote_packed, vote_reference
+
+__all__ = [
+    "ALGORITHMS",
+    "TIE_MODES",
+    "CommStats",
+    "SignVoteState",
+    "allreduce_mean",
+    "has_zero",
+    "majority_vote",
+    "majority_vote_async",
+    "pack_nonzero",
+    "pack_nonzero_reference",
+    "pack_signs",
+    "pack_signs_reference",
+    "packed_size",
+    "sign_vote_hook",
+    "unpack_signs",
+    "unpack_signs_reference",
+    "vote_bytes_per_rank",
+    "vote_packed",
+    "vote_reference",
+]

@@ -1,0 +1,184 @@
+"""DDP communication hook: signSGD / Signum with majority vote, one bit per gradient entry.
+
+Example (signSGD-MV; ``momentum=0.9`` gives Signum-MV)::
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+
+    model = DDP(net)
+    state = SignVoteState(process_group=None, momentum=0.0, start_iter=1)
+    model.register_comm_hook(state, sign_vote_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)   # applies lr * vote: signSGD-MV
+
+The hook's output, which DDP writes into every ``param.grad``, is the voted tensor with
+entries in {-1, 0, +1} (not an average), so plain SGD takes a step of exactly ``lr`` per
+entry. For Signum, momentum is kept on each worker *before* the sign, per bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .collective import ALGORITHMS, TIE_MODES, CommStats, _group_size_rank, majority_vote_async
+
+__all__ = ["SignVoteState", "sign_vote_hook", "allreduce_mean"]
+
+logger = logging.getLogger(__name__)
+
+
+class SignVoteState:
+    """State of :func:`sign_vote_hook`, in the style of PyTorch's ``PowerSGDState``.
+
+    Args:
+        process_group: the group to vote over; ``None`` is the default (WORLD) group.
+        momentum: Signum momentum beta in [0, 1): each worker votes
+            ``sign(m)`` with ``m <- beta*m + (1-beta)*g``; 0 votes the raw gradient (signSGD-MV).
+        tie: ``"exact"`` or ``"fast"``; see :func:`signmuon.comm_hooks.majority_vote`.
+        start_iter: iterations of plain mean all-reduce before voting starts. DDP rebuilds its
+            buckets after the first iteration, so per-bucket momentum needs ``start_iter >= 1``.
+        seed: base of the tie-break seeds (must match on every rank).
+        algorithm: collective algorithm (``"auto"``, ``"two_phase"``, ``"all_gather"``).
+    """
+
+    __slots__ = (
+        # settings
+        "process_group",
+        "momentum",
+        "tie",
+        "start_iter",
+        "seed",
+        "algorithm",
+        # internal state
+        "iter",
+        "momentum_buffers",
+        # statistics
+        "stats",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        momentum: float = 0.0,
+        tie: str = "exact",
+        start_iter: int = 1,
+        seed: int = 0,
+        algorithm: str = "auto",
+    ) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum={momentum} must be in [0, 1): it is the Signum averaging factor beta")
+        if tie not in TIE_MODES:
+            raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter={start_iter!r} must be a non-negative int")
+        if momentum > 0 and start_iter < 1:
+            raise ValueError(
+                f"start_iter={start_iter} with momentum={momentum}: per-bucket momentum needs start_iter >= 1, "
+                "because DDP rebuilds its gradient buckets after the first iteration"
+            )
+        self.process_group = process_group
+        self.momentum = float(momentum)
+        self.tie = tie
+        self.start_iter = start_iter
+        self.seed = int(seed)
+        self.algorithm = algorithm
+        self.iter = 0
+        self.momentum_buffers: dict[int, torch.Tensor] = {}
+        self.stats = CommStats()
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        # The last bucket is reduced last, so the count moves once per synchronised step.
+        if bucket.is_last():
+            self.iter += 1
+
+    def momentum_buffer(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """The bucket's momentum, created at zero (float32 for half-precision gradients)."""
+        buf = self.momentum_buffers.get(index)
+        if buf is None:
+            dtype = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+            buf = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
+            self.momentum_buffers[index] = buf
+        elif buf.shape != grad.shape:
+            raise RuntimeError(
+                f"bucket {index} holds {grad.numel()} entries but its momentum buffer {buf.numel()}: DDP's "
+                "buckets changed after voting started (raise start_iter past DDP's bucket rebuild)"
+            )
+        return buf
+
+    def tie_seed(self, bucket_index: int) -> int:
+        """Equal on every rank, different per step and bucket."""
+        return (self.seed * 1_000_003 + self.iter) * 10_007 + bucket_index
+
+    # -- checkpointing -------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
+        logger.warning("SignVoteState: the process group is not serializable and is left out of the saved state")
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = None
+        logger.warning("SignVoteState: restored with the default process group (WORLD)")
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    def state_dict(self) -> dict:
+        """Iteration count, momentum buffers and statistics (tensors are cloned)."""
+        return {
+            "iter": self.iter,
+            "momentum_buffers": {k: v.detach().clone() for k, v in self.momentum_buffers.items()},
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.iter = int(state_dict["iter"])
+        self.momentum_buffers = {int(k): v.detach().clone() for k, v in state_dict["momentum_buffers"].items()}
+        self.stats.load_state_dict(state_dict["stats"])
+
+
+def allreduce_mean(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default reduction (mean all-reduce, in place) as a future; counts ring bytes."""
+    world_size, _ = _group_size_rank(group)
+    if stats is not None:
+        ring = 2 * (world_size - 1) * tensor.numel() * tensor.element_size() // world_size
+        stats.calls += 1
+        stats.add(ring, ring)
+    tensor.div_(world_size)
+    if world_size == 1:
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Replace the bucket's gradient with the majority vote of the workers' (momentum) signs."""
+    grad = bucket.buffer()  # [n] flat gradients of this bucket
+    if grad.is_sparse:
+        raise ValueError("sign_vote_hook got a sparse gradient bucket; sparse gradients are not supported")
+    if state.iter < state.start_iter:
+        state.maybe_increase_iter(bucket)
+        return allreduce_mean(grad, state.process_group, state.stats)
+    voter = grad
+    if state.momentum > 0:
+        voter = state.momentum_buffer(bucket.index(), grad)
+        voter.mul_(state.momentum).add_(grad, alpha=1.0 - state.momentum)
+    fut = majority_vote_async(
+        voter,
+        state.process_group,
+        tie=state.tie,
+        seed=state.tie_seed(bucket.index()),
+        out=grad,
+        stats=state.stats,
+        algorithm=state.algorithm,
+    )
+    state.maybe_increase_iter(bucket)
+    return fut

@@ -1,0 +1,1 @@
+"""Integrations with foreign frameworks (DeepSpeed), each imported lazily."""

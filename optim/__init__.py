@@ -1,0 +1,1 @@
+"""Optimisation math: Newton-Schulz, SignMuon, sign-vote optimizers, the DPPF averager."""

@@ -1,0 +1,117 @@
+"""The vote collective on real gloo processes, against sign(sum(sign)) computed in numpy."""
+
+import numpy as np
+import pytest
+import torch
+
+from signmuon.comm_hooks import CommStats, majority_vote, majority_vote_async, vote_bytes_per_rank
+from tests.dist_utils import run_distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cases(world_size: int) -> list[dict]:
+    sizes = [1, 7, 8 * world_size + 3, 64 * world_size + 5, 3_000_017]
+    cases = []
+    for n in sizes:
+        for zeros in ("dense", "some", "all_zero_entries"):
+            for tie in ("exact", "fast"):
+                dtype = list(DTYPES)[len(cases) % 3] if n < 3_000_000 else "fp32"
+                cases.append(dict(n=n, zeros=zeros, tie=tie, dtype=dtype, algorithm="auto"))
+    # Each algorithm forced at every world size, with forced ties.
+    for algorithm in ("two_phase", "all_gather"):
+        for tie in ("exact", "fast"):
+            cases.append(dict(n=1000, zeros="ties", tie=tie, dtype="fp32", algorithm=algorithm))
+    return cases
+
+
+def _input(case: dict, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input, reproducible in the parent for the reference."""
+    gen = torch.Generator().manual_seed(case["n"] * 31 + rank)
+    n = case["n"]
+    x = torch.randn(n, generator=gen)
+    x[x == 0] = 1.0  # randn does draw exact zeros (about 1 in 10^6); "dense" means none
+    if case["zeros"] == "some" and rank == 0:
+        x[torch.rand(n, generator=gen) < 0.3] = 0.0
+    if case["zeros"] == "all_zero_entries":
+        x[::5] = 0.0  # zero on every rank: must vote 0
+        x[1::5] = -0.0
+    if case["zeros"] == "ties":
+        # Half the ranks +1, half -1 on the first 500 entries (a tie for even world sizes).
+        x[:500] = 1.0 if rank % 2 == 0 else -1.0
+    return x.to(DTYPES[case["dtype"]])
+
+
+def _vote_worker(rank: int, world_size: int) -> list:
+    results = []
+    for case in _cases(world_size):
+        x = _input(case, rank)
+        stats = CommStats()
+        seed = 1234 + case["n"]
+        if case["n"] == 1:
+            out = majority_vote_async(x, tie=case["tie"], seed=seed, stats=stats, algorithm=case["algorithm"]).wait()
+        else:
+            out = majority_vote(x, tie=case["tie"], seed=seed, stats=stats, algorithm=case["algorithm"])
+        assert out.dtype == x.dtype and out.shape == x.shape
+        results.append((out.to(torch.int8), stats.bytes_sent, stats.bytes_received))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_vote_matches_numpy_reference(world_size):
+    per_rank = run_distributed(_vote_worker, world_size)
+    for i, case in enumerate(_cases(world_size)):
+        inputs = np.stack([_input(case, r).float().numpy() for r in range(world_size)])
+        reference = np.sign(np.sign(inputs).sum(axis=0))
+        outputs = [per_rank[r][i][0] for r in range(world_size)]
+        for r in range(1, world_size):
+            assert torch.equal(outputs[0], outputs[r]), f"rank {r} differs in {case}"
+        got = outputs[0].numpy()
+        tie = (reference == 0) & (inputs != 0).any(axis=0)
+        all_zero = (inputs == 0).all(axis=0)
+        assert (got[all_zero] == 0).all(), f"entries zero on every rank must vote 0: {case}"
+        assert np.array_equal(got[~tie], reference[~tie]), case
+        if case["tie"] == "exact":
+            assert (got[tie] == 0).all(), case
+        else:
+            assert np.isin(got[tie], [-1, 1]).all(), case
+            if tie.sum() > 200:  # unbiased tie-break: about half +1
+                assert 0.35 < (got[tie] == 1).mean() < 0.65, case
+        if case["zeros"] == "ties" and world_size % 2 == 0:
+            assert tie.sum() >= 500, "the forced ties must be ties"
+        if case["zeros"] == "dense" and (case["tie"] == "fast" or world_size % 2 == 1):
+            # Dense case: one bit per entry, exactly the documented formula.
+            expected = vote_bytes_per_rank(case["n"], world_size, case["algorithm"])
+            for r in range(world_size):
+                assert per_rank[r][i][1] == expected, (case, r)
+                assert per_rank[r][i][2] == expected, (case, r)
+            bound = 2 * (world_size - 1) / world_size * -(-case["n"] // 8) + 64 * world_size
+            assert expected <= bound
+
+
+def test_bytes_formula_is_bandwidth_optimal():
+    n = 10_000_000
+    fp32_ring = 2 * 3 / 4 * 4 * n
+    assert fp32_ring / vote_bytes_per_rank(n, 4) > 31.5
+    # Two-phase bytes do not grow with the world size; all-gather's do.
+    assert vote_bytes_per_rank(n, 64) < 2 * n / 8 + 64 * 64
+    assert vote_bytes_per_rank(n, 64, "all_gather") > 60 * n / 8
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="floating-point"):
+        majority_vote(torch.arange(4))
+    with pytest.raises(ValueError, match="sparse"):
+        majority_vote(torch.eye(2).to_sparse())
+    with pytest.raises(ValueError, match="tie mode"):
+        majority_vote(torch.ones(4), tie="coin")
+    with pytest.raises(ValueError, match="algorithm"):
+        majority_vote(torch.ones(4), algorithm="tree")
+    with pytest.raises(ValueError, match="out must be"):
+        majority_vote(torch.ones(4), out=torch.empty(5))
+
+
+def test_single_process_is_sign():
+    x = torch.tensor([3.0, -2.0, 0.0, -0.0, 1e-30])
+    out = majority_vote(x, out=x)
+    assert out is x and x.tolist() == [1.0, -1.0, 0.0, 0.0, 1.0]
