@@ -1,8 +1,8 @@
 """Communication: sign bit packing, the majority-vote collective, DDP hooks and their state."""
 
-from .collective import ALGORITHMS, TIE_MODES, CommStats, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .collective import ALGORITHMS, TIE_MODES, CommStats, VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
 from .packing import (
-    has_zero,
+    pack_planes,
     pack_nonzero,
     pack_nonzero_reference,
     pack_signs,
@@ -11,7 +11,7 @@ from .packing import (
     unpack_signs,
     unpack_signs_reference,
 )
-from .sign_vote_hook import SignVoteState, allreduce_mean, sign_vote_hook
+from .sign_vote_hook import SignVoteState, allreduce_hook, allreduce_mean, sign_vote_hook
 from .vote import vote_packed, vote_reference
 
 __all__ = [
@@ -19,8 +19,10 @@ __all__ = [
     "TIE_MODES",
     "CommStats",
     "SignVoteState",
+    "VoteWork",
+    "allreduce_hook",
     "allreduce_mean",
-    "has_zero",
+    "pack_planes",
     "majority_vote",
     "majority_vote_async",
     "pack_nonzero",

@@ -40,10 +40,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .packing import has_zero, pack_nonzero, pack_signs, packed_size, unpack_signs
+from .packing import pack_planes, packed_size, unpack_signs
 from .vote import vote_packed
 
-__all__ = ["CommStats", "majority_vote", "majority_vote_async", "vote_bytes_per_rank", "TIE_MODES", "ALGORITHMS"]
+__all__ = ["CommStats", "VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank", "TIE_MODES", "ALGORITHMS"]
 
 TIE_MODES = ("exact", "fast")
 ALGORITHMS = ("auto", "two_phase", "all_gather")
@@ -136,6 +136,171 @@ def _check_inputs(tensor: torch.Tensor, tie: str, algorithm: str) -> None:
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
 
 
+class VoteWork:
+    """One majority vote in flight, advanced in three stages by its caller.
+
+    ``VoteWork(...)`` packs and starts the first exchange; :meth:`exchange` waits for it, votes
+    the local shard and starts the second; :meth:`wait` finishes and returns the voted tensor.
+    Every collective is issued by the thread that calls these methods, in call order. That is
+    what keeps ranks matched: gloo pairs collectives by issue order, so a collective issued
+    from a future's callback thread could pair with a different one on another rank. A DDP
+    hook interleaves the stages of consecutive buckets to overlap them with backward.
+    """
+
+    __slots__ = (
+        "_group", "_world_size", "_rank", "_tie", "_seed", "_stats", "_algorithm",
+        "_device", "_out", "_numel", "_words", "_shard", "_positive", "_nonzero",
+        "_recv", "_work", "_voted", "_stage",
+    )
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        *,
+        tie: str = "exact",
+        seed: int = 0,
+        out: torch.Tensor | None = None,
+        stats: CommStats | None = None,
+        algorithm: str = "auto",
+    ) -> None:
+        _check_inputs(tensor, tie, algorithm)
+        if out is None:
+            out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        elif out.shape != tensor.shape or not out.is_contiguous() or not out.is_floating_point():
+            raise ValueError(f"out must be a contiguous float tensor shaped {tuple(tensor.shape)}")
+        self._group = group
+        self._world_size, self._rank = _group_size_rank(group)
+        self._tie, self._seed, self._stats, self._out = tie, seed, stats, out
+        self._algorithm = _choose_algorithm(algorithm, self._world_size)
+        self._numel = tensor.numel()
+        self._device = tensor.device
+        self._words = max(1, -(-self._numel // 64))
+        self._shard = -(-self._words // self._world_size)
+        if stats is not None:
+            stats.calls += 1
+
+        # Pack both planes in one pass: [W] int64 each. The nonzero plane only travels if some
+        # rank has a zero; the flag stays a tensor (no CUDA sync here).
+        positive, nonzero = pack_planes(tensor)
+        self._positive = _padded_words(positive, self._numel, self._words)
+        self._nonzero = _padded_words(nonzero, self._numel, self._words)
+        zero_flag = (~self._nonzero).any().to(torch.int64) * _HAS_ZERO
+        self._voted: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stage = 0
+        M, S = self._world_size, self._shard
+        if M == 1:
+            self._recv = _with_header(zero_flag, self._positive.unsqueeze(0))  # [1, 1 + W]
+            self._work = None
+        elif self._algorithm == "all_gather":
+            send = _with_header(zero_flag, self._positive.unsqueeze(0)).squeeze(0)  # [1 + W]
+            self._recv = send.new_empty(M, self._words + 1)
+            self._work = dist.all_gather(list(self._recv.unbind(0)), send, group=group, async_op=True)
+            self._account((M - 1) * send.numel(), (M - 1) * send.numel())
+        else:
+            padded = self._positive.new_full((S * M,), -1)
+            padded[: self._words] = self._positive
+            send = _with_header(zero_flag, padded.view(M, S))  # [M, 1 + S]: row r goes to rank r
+            self._recv = torch.empty_like(send)
+            self._work = dist.all_to_all_single(self._recv, send, group=group, async_op=True)
+            self._account((M - 1) * (S + 1), (M - 1) * (S + 1))
+
+    def _account(self, sent_words: int, received_words: int) -> None:
+        if self._stats is not None:
+            self._stats.add(sent_words * _WORD, received_words * _WORD)
+
+    def _exchange_nonzero(self, zero_ranks: list[int]) -> torch.Tensor:
+        """[M, S] nonzero planes of this rank's shard; only ranks that have zeros send theirs."""
+        M, S, rank = self._world_size, self._shard, self._rank
+        mine = rank in zero_ranks
+        send = self._positive.new_full((S * M if mine else 0,), -1)
+        if mine:
+            send[: self._words] = self._nonzero
+        recv = self._positive.new_empty(len(zero_ranks) * S)
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[S if i in zero_ranks else 0 for i in range(M)],
+            input_split_sizes=[S if mine else 0] * M,
+            group=self._group,
+        )
+        self._account((M - 1) * S if mine else 0, (len(zero_ranks) - int(mine)) * S)
+        planes = self._positive.new_full((M, S), -1)  # ranks without zeros: all nonzero
+        planes[zero_ranks] = recv.view(len(zero_ranks), S)
+        return planes
+
+    def exchange(self) -> None:
+        """Wait for the first exchange, vote this rank's part, start the second exchange."""
+        if self._stage >= 1:
+            return
+        if self._work is not None:
+            self._work.wait()
+        M, W, S = self._world_size, self._words, self._shard
+        zero_ranks = [i for i, f in enumerate(self._recv[:, 0].tolist()) if f & _HAS_ZERO]
+        two_phase = M > 1 and self._algorithm == "two_phase"
+        nz = None
+        if zero_ranks and two_phase:
+            nz = self._exchange_nonzero(zero_ranks)
+        elif zero_ranks and M > 1:
+            nz = self._positive.new_empty(M, W)
+            dist.all_gather(list(nz.unbind(0)), self._nonzero, group=self._group)
+            self._account((M - 1) * W, (M - 1) * W)
+        elif zero_ranks:
+            nz = self._nonzero.unsqueeze(0)
+        tie_break = None
+        if self._tie == "fast":
+            # Seeded by (seed, shard index): each shard is voted once, every rank agrees.
+            part = self._rank if two_phase else 0
+            tie_break = _tie_bits(self._seed, part, S if two_phase else W, self._device)
+        voted_pos, voted_nz = vote_packed(self._recv[:, 1:], nz, tie_break=tie_break)  # [S] or [W]
+        if two_phase:
+            voted_zero = (~voted_nz).any().to(torch.int64) * _HAS_ZERO
+            send = _with_header(voted_zero, voted_pos.unsqueeze(0)).squeeze(0)  # [1 + S]
+            self._recv = send.new_empty(M, S + 1)
+            self._work = dist.all_gather(list(self._recv.unbind(0)), send, group=self._group, async_op=True)
+            self._account((M - 1) * (S + 1), (M - 1) * (S + 1))
+        self._voted = (voted_pos, voted_nz)
+        self._stage = 1
+
+    def wait(self) -> torch.Tensor:
+        """Finish the vote (issuing any remaining collectives) and return the voted tensor."""
+        if self._stage == 2:
+            return self._out
+        self.exchange()
+        voted_pos, voted_nz = self._voted
+        if self._world_size > 1 and self._algorithm == "two_phase":
+            M, S = self._world_size, self._shard
+            self._work.wait()
+            voted_pos = self._recv[:, 1:]
+            if any(f & _HAS_ZERO for f in self._recv[:, 0].tolist()):
+                gathered = voted_nz.new_empty(M, S)
+                dist.all_gather(list(gathered.unbind(0)), voted_nz, group=self._group)
+                self._account((M - 1) * S, (M - 1) * S)
+                voted_nz = gathered
+            else:
+                voted_nz = None
+        elif not bool((~voted_nz).any()):
+            voted_nz = None  # all nonzero: skip that plane, half the unpack cost
+        as_bytes = lambda w: w.contiguous().view(-1).view(torch.uint8)  # noqa: E731
+        unpack_signs(
+            as_bytes(voted_pos),
+            self._numel,
+            nonzero=None if voted_nz is None else as_bytes(voted_nz),
+            out=self._out.view(-1),
+        )
+        self._stage = 2
+        self._recv = self._work = self._voted = self._positive = self._nonzero = None  # free buffers
+        return self._out
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether :meth:`exchange` has run (the second exchange, if any, is in flight)."""
+        return self._stage >= 1
+
+    def is_completed(self) -> bool:
+        return self._stage == 2
+
+
 def majority_vote_async(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -145,113 +310,13 @@ def majority_vote_async(
     out: torch.Tensor | None = None,
     stats: CommStats | None = None,
     algorithm: Literal["auto", "two_phase", "all_gather"] = "auto",
-) -> torch.futures.Future[torch.Tensor]:
-    """Start the vote; the returned future holds the voted tensor (see :func:`majority_vote`).
+) -> VoteWork:
+    """Start a vote and return its :class:`VoteWork`; ``.wait()`` gives the voted tensor.
 
-    The first collective starts before this returns, so packing and the first exchange
-    overlap with whatever the caller does next (the backward pass, in a DDP hook).
+    Packing and the first exchange start before this returns, so they overlap with whatever
+    the caller does next. Arguments are those of :func:`majority_vote`.
     """
-    _check_inputs(tensor, tie, algorithm)
-    if out is None:
-        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    elif out.shape != tensor.shape or not out.is_contiguous() or not out.is_floating_point():
-        raise ValueError(f"out must be a contiguous float tensor shaped {tuple(tensor.shape)}")
-    world_size, rank = _group_size_rank(group)
-    numel = tensor.numel()
-    words = max(1, -(-numel // 64))
-    algorithm = _choose_algorithm(algorithm, world_size)
-    if stats is not None:
-        stats.calls += 1
-
-    # Pack locally: [words] int64 positive plane, and the zero flag (a tensor: no CUDA sync).
-    flat = tensor.detach().reshape(-1)
-    zero_flag = has_zero(flat).to(device=flat.device, dtype=torch.int64) * _HAS_ZERO
-    positive = _padded_words(pack_signs(flat), numel, words)
-
-    def nonzero_plane() -> torch.Tensor:
-        return _padded_words(pack_nonzero(flat), numel, words)
-
-    def unpack(pos_words: torch.Tensor, nz_words: torch.Tensor) -> torch.Tensor:
-        # Skip the nonzero plane when it is all ones (the dense case): half the unpack cost.
-        as_bytes = lambda w: w.contiguous().view(-1).view(torch.uint8)  # noqa: E731
-        nonzero = as_bytes(nz_words) if bool((~nz_words).any()) else None
-        unpack_signs(as_bytes(pos_words), numel, nonzero=nonzero, out=out.view(-1))
-        return out
-
-    def account(sent: int, received: int) -> None:
-        if stats is not None:
-            stats.add(sent, received)
-
-    if world_size == 1:
-        nz = nonzero_plane().unsqueeze(0) if bool(zero_flag) else None
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(unpack(*vote_packed(positive.unsqueeze(0), nz)))
-        return fut
-
-    if algorithm == "all_gather":
-        send = _with_header(zero_flag, positive.unsqueeze(0)).squeeze(0)  # [1 + W]
-        gathered = send.new_empty(world_size, words + 1)
-        work = dist.all_gather(list(gathered.unbind(0)), send, group=group, async_op=True)
-        account((world_size - 1) * send.numel() * _WORD, (world_size - 1) * send.numel() * _WORD)
-
-        def finish_all_gather(_: torch.futures.Future) -> torch.Tensor:
-            flags = gathered[:, 0].tolist()
-            nz = None
-            if any(f & _HAS_ZERO for f in flags):
-                nz = positive.new_empty(world_size, words)
-                dist.all_gather(list(nz.unbind(0)), nonzero_plane(), group=group)
-                account((world_size - 1) * words * _WORD, (world_size - 1) * words * _WORD)
-            tie_break = _tie_bits(seed, 0, words, flat.device) if tie == "fast" else None
-            return unpack(*vote_packed(gathered[:, 1:], nz, tie_break=tie_break))
-
-        return work.get_future().then(finish_all_gather)
-
-    # Two-phase: shards of S words, each sent with a flags word.
-    shard = -(-words // world_size)
-    padded = torch.full((shard * world_size,), -1, dtype=torch.int64, device=flat.device)
-    padded[:words] = positive
-    send = _with_header(zero_flag, padded.view(world_size, shard))  # [M, 1 + S]
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    row_bytes = (shard + 1) * _WORD
-    account((world_size - 1) * row_bytes, (world_size - 1) * row_bytes)
-
-    def finish_two_phase(_: torch.futures.Future) -> torch.Tensor:
-        flags = recv[:, 0].tolist()
-        zero_ranks = [i for i, f in enumerate(flags) if f & _HAS_ZERO]
-        nz = None
-        if zero_ranks:
-            # Only ranks with zeros send their nonzero shards; everyone else counts as all-ones.
-            mine = rank in zero_ranks
-            nz_send = torch.full((shard * world_size,), -1, dtype=torch.int64, device=flat.device)
-            if mine:
-                nz_send[:words] = nonzero_plane()
-            nz_recv = positive.new_empty(len(zero_ranks) * shard)
-            dist.all_to_all_single(
-                nz_recv,
-                nz_send if mine else nz_send[:0],
-                output_split_sizes=[shard if i in zero_ranks else 0 for i in range(world_size)],
-                input_split_sizes=[shard if mine else 0] * world_size,
-                group=group,
-            )
-            nz = torch.full((world_size, shard), -1, dtype=torch.int64, device=flat.device)
-            nz[zero_ranks] = nz_recv.view(len(zero_ranks), shard)
-            others_with_zeros = len(zero_ranks) - int(mine)
-            account((world_size - 1) * shard * _WORD if mine else 0, others_with_zeros * shard * _WORD)
-        tie_break = _tie_bits(seed, rank, shard, flat.device) if tie == "fast" else None
-        voted_pos, voted_nz = vote_packed(recv[:, 1:], nz, tie_break=tie_break)
-        voted_zero_flag = (~voted_nz != 0).any().to(torch.int64) * _HAS_ZERO
-        mine_out = _with_header(voted_zero_flag, voted_pos.unsqueeze(0)).squeeze(0)
-        gathered = mine_out.new_empty(world_size, shard + 1)
-        dist.all_gather(list(gathered.unbind(0)), mine_out, group=group)
-        account((world_size - 1) * row_bytes, (world_size - 1) * row_bytes)
-        gathered_nz = positive.new_full((world_size, shard), -1)
-        if any(f & _HAS_ZERO for f in gathered[:, 0].tolist()):
-            dist.all_gather(list(gathered_nz.unbind(0)), voted_nz, group=group)
-            account((world_size - 1) * shard * _WORD, (world_size - 1) * shard * _WORD)
-        return unpack(gathered[:, 1:], gathered_nz)
-
-    return work.get_future().then(finish_two_phase)
+    return VoteWork(tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm)
 
 
 def majority_vote(

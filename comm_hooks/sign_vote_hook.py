@@ -16,16 +16,16 @@ entries in {-1, 0, +1} (not an average), so plain SGD takes a step of exactly ``
 entry. For Signum, momentum is kept on each worker *before* the sign, per bucket.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import collections
 import logging
 
 import torch
 import torch.distributed as dist
 
-from .collective import ALGORITHMS, TIE_MODES, CommStats, _group_size_rank, majority_vote_async
+from .collective import ALGORITHMS, TIE_MODES, CommStats, VoteWork, _group_size_rank, majority_vote_async
 
-__all__ = ["SignVoteState", "sign_vote_hook", "allreduce_mean"]
+__all__ = ["SignVoteState", "sign_vote_hook", "allreduce_mean", "allreduce_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class SignVoteState:
         # internal state
         "iter",
         "momentum_buffers",
+        "pending",
         # statistics
         "stats",
     )
@@ -90,6 +91,8 @@ class SignVoteState:
         self.algorithm = algorithm
         self.iter = 0
         self.momentum_buffers: dict[int, torch.Tensor] = {}
+        # Votes of this backward pass still in flight, oldest first, with the futures DDP holds.
+        self.pending: collections.deque[tuple[VoteWork, torch.futures.Future]] = collections.deque()
         self.stats = CommStats()
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
@@ -111,6 +114,29 @@ class SignVoteState:
             )
         return buf
 
+    def advance_pending(self, drain: bool = False) -> None:
+        """Move earlier buckets' votes one stage on (all of them to the end if ``drain``).
+
+        Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
+        issues the same sequence; a vote's second exchange thus overlaps the next bucket's
+        backward. On an error every pending future fails, so DDP never waits forever.
+        """
+        remaining: collections.deque = collections.deque()
+        try:
+            for work, fut in self.pending:
+                if drain or work.exchanged:
+                    fut.set_result(work.wait())
+                else:
+                    work.exchange()
+                    remaining.append((work, fut))
+        except BaseException as error:
+            for _, fut in self.pending:
+                if not fut.done():
+                    fut.set_exception(error)
+            self.pending.clear()
+            raise
+        self.pending = remaining
+
     def tie_seed(self, bucket_index: int) -> int:
         """Equal on every rank, different per step and bucket."""
         return (self.seed * 1_000_003 + self.iter) * 10_007 + bucket_index
@@ -120,10 +146,11 @@ class SignVoteState:
     def __getstate__(self) -> dict:
         # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
         logger.warning("SignVoteState: the process group is not serializable and is left out of the saved state")
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "pending")}
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = None
+        self.pending = collections.deque()
         logger.warning("SignVoteState: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)
@@ -159,6 +186,14 @@ def allreduce_mean(
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
+def allreduce_hook(state: CommStats, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default reduction (mean all-reduce over WORLD) with its bytes counted in ``state``.
+
+    The fp32 baseline the benchmarks measure the vote against: ``model.register_comm_hook(CommStats(), allreduce_hook)``.
+    """
+    return allreduce_mean(bucket.buffer(), None, state)
+
+
 def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Replace the bucket's gradient with the majority vote of the workers' (momentum) signs."""
     grad = bucket.buffer()  # [n] flat gradients of this bucket
@@ -171,7 +206,8 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.momentum > 0:
         voter = state.momentum_buffer(bucket.index(), grad)
         voter.mul_(state.momentum).add_(grad, alpha=1.0 - state.momentum)
-    fut = majority_vote_async(
+    state.advance_pending()
+    work = majority_vote_async(
         voter,
         state.process_group,
         tie=state.tie,
@@ -180,5 +216,9 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
         stats=state.stats,
         algorithm=state.algorithm,
     )
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
+    state.pending.append((work, fut))
+    if bucket.is_last():
+        state.advance_pending(drain=True)  # DDP calls no further hook in this backward
     state.maybe_increase_iter(bucket)
     return fut

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from signmuon.comm_hooks import (
-    has_zero,
+    pack_planes,
     pack_nonzero,
     pack_nonzero_reference,
     pack_signs,
@@ -13,7 +13,7 @@ from signmuon.comm_hooks import (
     unpack_signs,
     unpack_signs_reference,
 )
-from signmuon.comm_hooks.packing import _bits_to_bytes
+from signmuon.comm_hooks.packing import _CHUNK, _bits_to_bytes
 
 SIZES = [1, 7, 8, 9, 63, 64, 65, 1000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -34,7 +34,8 @@ def test_pack_matches_reference(n, dtype):
     assert pack_signs(x).shape == (packed_size(n),)
     assert torch.equal(pack_signs(x), pack_signs_reference(x))
     assert torch.equal(pack_nonzero(x), pack_nonzero_reference(x))
-    assert bool(has_zero(x)) == bool((x == 0).any())
+    positive, nonzero = pack_planes(x)
+    assert torch.equal(positive, pack_signs_reference(x)) and torch.equal(nonzero, pack_nonzero_reference(x))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -92,3 +93,11 @@ def test_bad_input():
         unpack_signs(torch.zeros(1, dtype=torch.uint8), 9)
     with pytest.raises(ValueError, match="out must be"):
         unpack_signs(torch.zeros(1, dtype=torch.uint8), 8, out=torch.empty(7))
+
+
+@pytest.mark.parametrize("n", [_CHUNK - 1, _CHUNK, _CHUNK + 1, 2 * _CHUNK + 13])
+def test_pack_across_chunk_boundaries(n):
+    x = _ternary_input(n, torch.float32, seed=n)
+    positive, nonzero = pack_planes(x)
+    assert torch.equal(positive, pack_signs_reference(x))
+    assert torch.equal(nonzero, pack_nonzero_reference(x))

@@ -1,0 +1,124 @@
+"""DDP step time of a ~10M-parameter MLP with different gradient reductions.
+
+Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD, and
+our ``sign_vote_hook``, all in one run, as ratios to the fp32 all-reduce step. Bytes per rank
+per step come from the hooks' own statistics or the ring all-reduce formula.
+
+    python -m signmuon.benchmarks.ddp_step --world-size 2          # local gloo ranks
+    torchrun --nproc-per-node 8 -m signmuon.benchmarks.ddp_step    # a real cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
+from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+
+METHODS = ("allreduce", "fp16", "powersgd", "sign_vote")
+
+
+def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def _register(model: DDP, method: str, group) -> object | None:
+    if method == "fp16":
+        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif method == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    elif method == "sign_vote":
+        state = SignVoteState(process_group=group, start_iter=1)
+        model.register_comm_hook(state, sign_vote_hook)
+        return state
+    return None
+
+
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    rows = []
+    for method in args.methods:
+        torch.manual_seed(0)
+        model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        state = _register(model, method, None)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(args.batch, 512, device=device)
+        y = torch.randint(0, 10, (args.batch,), device=device)
+        times = []
+        sent_before = 0
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup and isinstance(state, SignVoteState):
+                sent_before = state.stats.bytes_sent
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+            if step >= args.warmup:
+                times.append(elapsed.item())
+        params = sum(p.numel() for p in model.parameters())
+        if isinstance(state, SignVoteState):
+            per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
+        elif method == "fp16":
+            per_step = 2 * (world_size - 1) * params * 2 / world_size
+        elif method == "powersgd":
+            per_step = float("nan")  # depends on the layer shapes; see torch's PowerSGD docs
+        else:
+            per_step = 2 * (world_size - 1) * params * 4 / world_size
+        rows.append({"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step})
+    return rows
+
+
+def report(rows: list[dict], world_size: int) -> None:
+    base = next((r["step_s"] for r in rows if r["method"] == "allreduce"), None)
+    print(f"world_size={world_size} params={rows[0]['params'] / 1e6:.1f}M torch={torch.__version__}")
+    print(f"{'method':>10} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13}")
+    for r in rows:
+        ratio = r["step_s"] / base if base else float("nan")
+        print(f"{r['method']:>10} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2, help="local gloo ranks (ignored under torchrun)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--width", type=int, default=1728)
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers; 1728x4 is about 9.9M parameters")
+    parser.add_argument("--batch", type=int, default=8, help="small, so the step is communication-bound")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if under_torchrun():
+        rows = run_torchrun(_worker, args)
+        if os.environ["RANK"] == "0":
+            report(rows, int(os.environ["WORLD_SIZE"]))
+        return rows
+    rows = run_distributed(_worker, args.world_size, args, threads=args.threads)[0]
+    report(rows, args.world_size)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Run a function on M ranks: spawned local gloo processes, or the ranks torchrun started.
+
+Local runs rendezvous through a temporary file, never a fixed port, so runs can go on side
+by side and never collide with something else on the machine. A rank that raises fails the
+run with its traceback; a rank that hangs fails it after ``timeout`` seconds. Tests use the
+same launcher as the benchmarks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple, threads: int) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Free DDP reducers (held in reference cycles) while their process group still exists,
+        # and let every rank finish its collectives before the group goes away.
+        del result
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run_torchrun(fn, *args, backend: str | None = None):
+    """Call ``fn(rank, world_size, *args)`` in a process torchrun started; return its result."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        result = fn(dist.get_rank(), dist.get_world_size(), *args)
+        gc.collect()
+        dist.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, threads: int = 1) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes.
+
+    Returns each rank's result (``torch.save``-able), rank 0 first. ``threads`` is each
+    process's torch thread count (1 keeps M ranks from fighting over a few cores).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    with tempfile.TemporaryDirectory() as out_dir:
+        init_file = os.path.join(out_dir, "rendezvous")
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, init_file, out_dir, args, threads),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
