@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import CommStats, SignVoteState, allreduce_hook, sign_vote_hook
+from signmuon.optim import MuonWithAdamW, SignMuon
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -88,11 +89,24 @@ def _ddp_sign_vote(momentum: float, lr: float) -> Method:
     return build
 
 
+def _ddp_sign_muon(**options) -> Method:
+    def build(net: nn.Module):
+        opt = SignMuon(net.parameters(), **options)
+        model = DDP(net)
+        opt.register_comm_hook(model)
+        return model, opt, opt.comm_state.stats
+
+    return build
+
+
 METHODS: dict[str, Method] = {
     "adamw": _ddp_allreduce(lambda p: torch.optim.AdamW(p, lr=2e-3)),
     "sgd": _ddp_allreduce(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
     "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
     "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
+    "muon_adamw": _ddp_allreduce(lambda p: MuonWithAdamW(p, lr=0.02, adamw_lr=2e-3)),
+    "signmuon": _ddp_sign_muon(lr=2e-3),
+    "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
 }
 
 

@@ -11,14 +11,18 @@ from .packing import (
     unpack_signs,
     unpack_signs_reference,
 )
-from .sign_vote_hook import SignVoteState, allreduce_hook, allreduce_mean, sign_vote_hook
+from .sign_muon_hook import SignMuonHookState, WorkerDirections, sign_muon_hook
+from .sign_vote_hook import SignVoteState, VoteHookState, allreduce_hook, allreduce_mean, sign_vote_hook
 from .vote import vote_packed, vote_reference
 
 __all__ = [
     "ALGORITHMS",
     "TIE_MODES",
     "CommStats",
+    "SignMuonHookState",
     "SignVoteState",
+    "VoteHookState",
+    "WorkerDirections",
     "VoteWork",
     "allreduce_hook",
     "allreduce_mean",
@@ -30,6 +34,7 @@ __all__ = [
     "pack_signs",
     "pack_signs_reference",
     "packed_size",
+    "sign_muon_hook",
     "sign_vote_hook",
     "unpack_signs",
     "unpack_signs_reference",

@@ -19,27 +19,24 @@ entry. For Signum, momentum is kept on each worker *before* the sign, per bucket
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import collections
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .collective import ALGORITHMS, TIE_MODES, CommStats, VoteWork, _group_size_rank, majority_vote_async
 
-__all__ = ["SignVoteState", "sign_vote_hook", "allreduce_mean", "allreduce_hook"]
+__all__ = ["VoteHookState", "SignVoteState", "sign_vote_hook", "allreduce_mean", "allreduce_hook"]
 
 logger = logging.getLogger(__name__)
 
 
-class SignVoteState:
-    """State of :func:`sign_vote_hook`, in the style of PyTorch's ``PowerSGDState``.
+class VoteHookState:
+    """What every vote hook keeps: settings, the votes in flight, and statistics.
 
     Args:
         process_group: the group to vote over; ``None`` is the default (WORLD) group.
-        momentum: Signum momentum beta in [0, 1): each worker votes
-            ``sign(m)`` with ``m <- beta*m + (1-beta)*g``; 0 votes the raw gradient (signSGD-MV).
         tie: ``"exact"`` or ``"fast"``; see :func:`signmuon.comm_hooks.majority_vote`.
-        start_iter: iterations of plain mean all-reduce before voting starts. DDP rebuilds its
-            buckets after the first iteration, so per-bucket momentum needs ``start_iter >= 1``.
         seed: base of the tie-break seeds (must match on every rank).
         algorithm: collective algorithm (``"auto"``, ``"two_phase"``, ``"all_gather"``).
     """
@@ -47,17 +44,144 @@ class SignVoteState:
     __slots__ = (
         # settings
         "process_group",
-        "momentum",
         "tie",
-        "start_iter",
         "seed",
         "algorithm",
         # internal state
         "iter",
-        "momentum_buffers",
         "pending",
         # statistics
         "stats",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        tie: str = "exact",
+        seed: int = 0,
+        algorithm: str = "auto",
+    ) -> None:
+        if tie not in TIE_MODES:
+            raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
+        self.process_group = process_group
+        self.tie = tie
+        self.seed = int(seed)
+        self.algorithm = algorithm
+        self.iter = 0
+        # Votes of this backward pass still in flight, oldest first: (work, DDP's future, finish).
+        self.pending: collections.deque[tuple[VoteWork, torch.futures.Future, Callable | None]] = collections.deque()
+        self.stats = CommStats()
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        # The last bucket is reduced last, so the count moves once per synchronised step.
+        if bucket.is_last():
+            self.iter += 1
+
+    def tie_seed(self, bucket_index: int) -> int:
+        """Equal on every rank, different per step and bucket."""
+        return (self.seed * 1_000_003 + self.iter) * 10_007 + bucket_index
+
+    def vote(
+        self,
+        bucket: dist.GradBucket,
+        voter: torch.Tensor,
+        out: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
+
+        ``finish`` maps the voted tensor to the bucket's final tensor (default: the vote).
+        """
+        self.advance_pending()
+        work = majority_vote_async(
+            voter,
+            self.process_group,
+            tie=self.tie,
+            seed=self.tie_seed(bucket.index()),
+            out=out,
+            stats=self.stats,
+            algorithm=self.algorithm,
+        )
+        grad = bucket.buffer()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
+        self.pending.append((work, fut, finish))
+        if bucket.is_last():
+            self.advance_pending(drain=True)  # DDP calls no further hook in this backward
+        self.maybe_increase_iter(bucket)
+        return fut
+
+    def advance_pending(self, drain: bool = False) -> None:
+        """Move earlier buckets' votes one stage on (all of them to the end if ``drain``).
+
+        Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
+        issues the same sequence; a vote's second exchange thus overlaps the next bucket's
+        backward. On an error every pending future fails, so DDP never waits forever.
+        """
+        remaining: collections.deque = collections.deque()
+        try:
+            for work, fut, finish in self.pending:
+                if drain or work.exchanged:
+                    voted = work.wait()
+                    fut.set_result(voted if finish is None else finish(voted))
+                else:
+                    work.exchange()
+                    remaining.append((work, fut, finish))
+        except BaseException as error:
+            for _, fut, _ in self.pending:
+                if not fut.done():
+                    fut.set_exception(error)
+            self.pending.clear()
+            raise
+        self.pending = remaining
+
+    # -- checkpointing -------------------------------------------------------------------
+
+    _UNPICKLED = ("process_group", "pending")
+
+    def _slots(self) -> list[str]:
+        return [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
+
+    def __getstate__(self) -> dict:
+        # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
+        logger.warning(f"{type(self).__name__}: the process group is not serializable and is left out of the saved state")
+        return {slot: getattr(self, slot) for slot in self._slots() if slot not in self._UNPICKLED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = None
+        self.pending = collections.deque()
+        logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    def state_dict(self) -> dict:
+        """Iteration count and statistics."""
+        return {"iter": self.iter, "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.iter = int(state_dict["iter"])
+        self.stats.load_state_dict(state_dict["stats"])
+
+
+class SignVoteState(VoteHookState):
+    """State of :func:`sign_vote_hook`, in the style of PyTorch's ``PowerSGDState``.
+
+    Args:
+        process_group, tie, seed, algorithm: as :class:`VoteHookState`.
+        momentum: Signum momentum beta in [0, 1): each worker votes
+            ``sign(m)`` with ``m <- beta*m + (1-beta)*g``; 0 votes the raw gradient (signSGD-MV).
+        start_iter: iterations of plain mean all-reduce before voting starts. DDP rebuilds its
+            buckets after the first iteration, so per-bucket momentum needs ``start_iter >= 1``.
+    """
+
+    __slots__ = (
+        # settings
+        "momentum",
+        "start_iter",
+        # internal state
+        "momentum_buffers",
     )
 
     def __init__(
@@ -70,12 +194,9 @@ class SignVoteState:
         seed: int = 0,
         algorithm: str = "auto",
     ) -> None:
+        super().__init__(process_group, tie=tie, seed=seed, algorithm=algorithm)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum} must be in [0, 1): it is the Signum averaging factor beta")
-        if tie not in TIE_MODES:
-            raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter={start_iter!r} must be a non-negative int")
         if momentum > 0 and start_iter < 1:
@@ -83,22 +204,9 @@ class SignVoteState:
                 f"start_iter={start_iter} with momentum={momentum}: per-bucket momentum needs start_iter >= 1, "
                 "because DDP rebuilds its gradient buckets after the first iteration"
             )
-        self.process_group = process_group
         self.momentum = float(momentum)
-        self.tie = tie
         self.start_iter = start_iter
-        self.seed = int(seed)
-        self.algorithm = algorithm
-        self.iter = 0
         self.momentum_buffers: dict[int, torch.Tensor] = {}
-        # Votes of this backward pass still in flight, oldest first, with the futures DDP holds.
-        self.pending: collections.deque[tuple[VoteWork, torch.futures.Future]] = collections.deque()
-        self.stats = CommStats()
-
-    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
-        # The last bucket is reduced last, so the count moves once per synchronised step.
-        if bucket.is_last():
-            self.iter += 1
 
     def momentum_buffer(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """The bucket's momentum, created at zero (float32 for half-precision gradients)."""
@@ -114,59 +222,16 @@ class SignVoteState:
             )
         return buf
 
-    def advance_pending(self, drain: bool = False) -> None:
-        """Move earlier buckets' votes one stage on (all of them to the end if ``drain``).
-
-        Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
-        issues the same sequence; a vote's second exchange thus overlaps the next bucket's
-        backward. On an error every pending future fails, so DDP never waits forever.
-        """
-        remaining: collections.deque = collections.deque()
-        try:
-            for work, fut in self.pending:
-                if drain or work.exchanged:
-                    fut.set_result(work.wait())
-                else:
-                    work.exchange()
-                    remaining.append((work, fut))
-        except BaseException as error:
-            for _, fut in self.pending:
-                if not fut.done():
-                    fut.set_exception(error)
-            self.pending.clear()
-            raise
-        self.pending = remaining
-
-    def tie_seed(self, bucket_index: int) -> int:
-        """Equal on every rank, different per step and bucket."""
-        return (self.seed * 1_000_003 + self.iter) * 10_007 + bucket_index
-
-    # -- checkpointing -------------------------------------------------------------------
-
-    def __getstate__(self) -> dict:
-        # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
-        logger.warning("SignVoteState: the process group is not serializable and is left out of the saved state")
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "pending")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.process_group = None
-        self.pending = collections.deque()
-        logger.warning("SignVoteState: restored with the default process group (WORLD)")
-        for slot, value in state.items():
-            setattr(self, slot, value)
-
     def state_dict(self) -> dict:
         """Iteration count, momentum buffers and statistics (tensors are cloned)."""
         return {
-            "iter": self.iter,
+            **super().state_dict(),
             "momentum_buffers": {k: v.detach().clone() for k, v in self.momentum_buffers.items()},
-            "stats": self.stats.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.iter = int(state_dict["iter"])
+        super().load_state_dict(state_dict)
         self.momentum_buffers = {int(k): v.detach().clone() for k, v in state_dict["momentum_buffers"].items()}
-        self.stats.load_state_dict(state_dict["stats"])
 
 
 def allreduce_mean(
@@ -206,19 +271,4 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.momentum > 0:
         voter = state.momentum_buffer(bucket.index(), grad)
         voter.mul_(state.momentum).add_(grad, alpha=1.0 - state.momentum)
-    state.advance_pending()
-    work = majority_vote_async(
-        voter,
-        state.process_group,
-        tie=state.tie,
-        seed=state.tie_seed(bucket.index()),
-        out=grad,
-        stats=state.stats,
-        algorithm=state.algorithm,
-    )
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
-    state.pending.append((work, fut))
-    if bucket.is_last():
-        state.advance_pending(drain=True)  # DDP calls no further hook in this backward
-    state.maybe_increase_iter(bucket)
-    return fut
+    return state.vote(bucket, voter, out=grad)

@@ -1,0 +1,114 @@
+"""DDP communication hook for SignMuon: the worker-side half of the optimizer.
+
+Each worker turns its *local* gradient into its Muon direction (momentum, Newton–Schulz) and
+only the signs of that direction are voted, so this part must see the gradient before any
+averaging: it runs here, overlapped with the backward pass. The post-vote half (optional
+polar step, the update) runs in ``SignMuon.step()``. Register it with one call::
+
+    opt = SignMuon(model.parameters(), lr=2e-3)
+    model = DDP(model)
+    opt.register_comm_hook(model)
+
+The math itself lives in the optimizer (``signmuon.optim``); this module only routes each
+bucket's gradients through it and through the vote collective, so neither is copied here.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .collective import _group_size_rank
+from .sign_vote_hook import VoteHookState, allreduce_mean
+
+__all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
+
+
+class WorkerDirections(Protocol):
+    """What the hook needs from the optimizer (``signmuon.optim.SignMuon`` provides it)."""
+
+    def votes(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s update is voted (else its gradient is mean all-reduced)."""
+
+    def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Advance ``param``'s momentum with this worker's ``grad``; return the direction to vote."""
+
+
+class SignMuonHookState(VoteHookState):
+    """State of :func:`sign_muon_hook`: the vote settings plus the optimizer owning the math.
+
+    Made by ``SignMuon.register_comm_hook`` (or ``SignMuon.comm_state``), which is how the
+    optimizer learns that the hook, not ``step()``, does the pre-vote part.
+    """
+
+    __slots__ = ("optimizer",)
+    _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer",)
+
+    def __init__(
+        self,
+        optimizer: WorkerDirections,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        tie: str = "exact",
+        seed: int = 0,
+        algorithm: str = "auto",
+    ) -> None:
+        if not (callable(getattr(optimizer, "votes", None)) and callable(getattr(optimizer, "local_direction", None))):
+            raise TypeError(
+                f"SignMuonHookState needs the SignMuon optimizer, got {type(optimizer).__name__}; "
+                "create it with opt.register_comm_hook(ddp_model)"
+            )
+        super().__init__(process_group, tie=tie, seed=seed, algorithm=algorithm)
+        self.optimizer = optimizer
+
+
+def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Vote the signs of each worker's SignMuon direction; AdamW-routed gradients are averaged.
+
+    Writes each voted parameter's local direction over its gradient in the bucket, votes it,
+    and hands DDP the vote (entries in {-1, 0, +1}); ``SignMuon.step()`` applies it.
+    """
+    if not isinstance(state, SignMuonHookState):
+        raise TypeError(
+            f"sign_muon_hook needs a SignMuonHookState, got {type(state).__name__}: register it with "
+            "opt.register_comm_hook(ddp_model) (or ddp_model.register_comm_hook(opt.comm_state, sign_muon_hook))"
+        )
+    grad = bucket.buffer()  # [n] this bucket's flat gradients
+    if grad.is_sparse:
+        raise ValueError("sign_muon_hook got a sparse gradient bucket; sparse gradients are not supported")
+    opt = state.optimizer
+    params, grads = bucket.parameters(), bucket.gradients()  # grads: views into `grad`
+    voted = [opt.votes(p) for p in params]
+    for p, g, v in zip(params, grads, voted):
+        if v:
+            g.copy_(opt.local_direction(p, g))
+    if all(voted):
+        return state.vote(bucket, grad, out=grad)
+    if not any(voted):
+        state.advance_pending(drain=bucket.is_last())  # earlier buckets' votes must still finish
+        fut = allreduce_mean(grad, state.process_group, state.stats)
+        state.maybe_increase_iter(bucket)
+        return fut
+    averaged = [g for g, v in zip(grads, voted) if not v]
+    flat_avg = torch.cat([g.reshape(-1) for g in averaged])
+    # A bucket mixing both kinds: vote one part, all-reduce the other, both issued now.
+    world_size, _ = _group_size_rank(state.process_group)
+    flat_avg.div_(world_size)
+    ring = 2 * (world_size - 1) * flat_avg.numel() * flat_avg.element_size() // world_size
+    state.stats.add(ring, ring)
+    avg_work = dist.all_reduce(flat_avg, group=state.process_group, async_op=True) if world_size > 1 else None
+    voters = [g for g, v in zip(grads, voted) if v]
+    flat_vote = torch.cat([g.reshape(-1) for g in voters])
+
+    def finish(vote: torch.Tensor) -> torch.Tensor:
+        if avg_work is not None:
+            avg_work.wait()
+        for part, flat in ((voters, vote), (averaged, flat_avg)):
+            offset = 0
+            for g in part:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return grad
+
+    return state.vote(bucket, flat_vote, out=flat_vote, finish=finish)

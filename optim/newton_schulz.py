@@ -1,0 +1,63 @@
+"""Newton–Schulz polar step: the orthogonalisation at the heart of Muon and SignMuon."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["newton_schulz", "MUON_COEFFICIENTS", "as_matrix"]
+
+# Keller Jordan's quintic: steepest growth of small singular values at the price of landing
+# them in a band around 1 instead of on 1, which is all the update direction needs.
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
+    """View a parameter as the matrix Muon orthogonalises: conv kernels (out, in, kh, kw) -> (out, in*kh*kw)."""
+    if tensor.dim() < 2:
+        raise ValueError(f"a {tensor.dim()}-D tensor has no matrix view; Newton–Schulz needs 2 or more dimensions")
+    return tensor.reshape(tensor.shape[0], -1)
+
+
+def newton_schulz(
+    X: torch.Tensor,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Approximate the polar factor U·Vᵀ of ``X = U·S·Vᵀ`` (batched over leading dims).
+
+    ``X`` is scaled to unit Frobenius norm (so every singular value is at most 1), made wide
+    by transposing if tall (so ``X·Xᵀ`` is the smaller Gram matrix), then iterated
+    ``X <- a·X + (b·A + c·A²)·X`` with ``A = X·Xᵀ``. With the default coefficients and 5 steps
+    in float32, singular values at or above 3e-3 of the Frobenius norm end in [0.65, 1.25]
+    (measured: [0.68, 1.21]); smaller ones grow but may not reach the band, and zero singular
+    values stay zero, so an all-zero input returns zeros.
+
+    Args:
+        X: [..., m, n] matrix or batch of matrices.
+        steps: iterations, at least 1.
+        coefficients: (a, b, c) of the quintic.
+        eps: added to the norm, so that a zero input gives zeros and not NaN.
+        dtype: compute dtype; default bfloat16 on CUDA (fast, and the band absorbs its
+            rounding) and float32 elsewhere. The result is returned in ``X``'s dtype.
+    """
+    if X.dim() < 2:
+        raise ValueError(f"X must have at least 2 dimensions, got shape {tuple(X.shape)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be an int >= 1")
+    if dtype is None:
+        dtype = torch.bfloat16 if X.is_cuda else torch.float32
+    a, b, c = coefficients
+    Y = X.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        Y = Y.mT
+    Y = Y / (Y.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = Y @ Y.mT  # [..., m, m] with m <= n
+        B = b * A + c * (A @ A)
+        Y = a * Y + B @ Y
+    if tall:
+        Y = Y.mT
+    return Y.to(X.dtype)

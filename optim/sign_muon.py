@@ -1,0 +1,324 @@
+"""SignMuon: Muon's orthogonalised momentum, sent as one bit per entry and majority-voted.
+
+Per worker i and matrix parameter W, each step (DESIGN.md, "SignMuon")::
+
+    M_i <- beta*M_i + (1-beta)*(G_i + lambda_c*W)    local momentum (Nesterov optional)
+    U_i <- NS(M_i)                                   the worker's Muon direction
+    S   <- vote(sign(U_1), ..., sign(U_M))           one bit per entry on the wire
+    D   <- NS(S) rescaled to entry-RMS 1             optional (polar_after_vote)
+    W   <- W - lr*D - lr*lambda*W                    decoupled weight decay
+
+Without the post-vote step D = S has entries in {-1, 0, +1}, so ``lr`` means the same in
+both variants and is of the order of a sign or Adam learning rate. Parameters that are not
+matrices take the Signum majority-vote path (or AdamW on a full-precision all-reduce).
+
+Where the pre-vote half runs:
+
+* under DDP, in :func:`signmuon.comm_hooks.sign_muon_hook`, on each worker's local gradient
+  and overlapped with backward: ``opt.register_comm_hook(ddp_model)``; ``step()`` then does
+  the post-vote half;
+* on one process, all of it in ``step()``;
+* with ``vote_in_step=True``, ``step()`` votes across ``process_group`` itself (for data
+  parallelism without DDP hooks, e.g. an engine whose own gradient all-reduce is off).
+
+On several ranks without either, ``step()`` raises rather than silently applying the wrong math.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from signmuon.comm_hooks import TIE_MODES, SignMuonHookState, majority_vote, sign_muon_hook
+from signmuon.comm_hooks.collective import _group_size_rank
+
+from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
+
+__all__ = ["SignMuon", "parameter_path"]
+
+NON_MATRIX_PATHS = ("signum", "adamw")
+
+
+def parameter_path(param: torch.Tensor, use_muon: bool | None, non_matrix: str) -> str:
+    """``"matrix"`` (NS + vote), ``"signum"`` (vote) or ``"adamw"`` (all-reduce) for ``param``.
+
+    ``use_muon=None`` decides by shape: 2-D and conv kernels are matrices, the rest (biases,
+    norm gains) are not. Embeddings and output heads are matrices too; route them with a
+    param group ``{"params": [...], "use_muon": False}`` as Muon users usually do.
+    """
+    if use_muon is None:
+        use_muon = param.dim() >= 2
+    elif use_muon and param.dim() < 2:
+        raise ValueError(f"use_muon=True asks for the matrix path, but the parameter is {param.dim()}-D")
+    return "matrix" if use_muon else non_matrix
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    if not group["lr"] >= 0:
+        raise ValueError(f"lr={group['lr']} must be >= 0")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum={group['momentum']} must be in [0, 1)")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"ns_steps={steps!r} must be an int >= 1")
+    for name in ("weight_decay", "coupled_weight_decay"):
+        if not group[name] >= 0:
+            raise ValueError(f"{name}={group[name]} must be >= 0")
+    if group["non_matrix"] not in NON_MATRIX_PATHS:
+        raise ValueError(f"non_matrix={group['non_matrix']!r} must be one of {NON_MATRIX_PATHS}")
+    if group["adamw_lr"] is not None and not group["adamw_lr"] >= 0:
+        raise ValueError(f"adamw_lr={group['adamw_lr']} must be >= 0")
+    beta1, beta2 = group["adamw_betas"]
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"adamw_betas={group['adamw_betas']} must lie in [0, 1)")
+    if not group["adamw_eps"] > 0:
+        raise ValueError(f"adamw_eps={group['adamw_eps']} must be > 0")
+    if group["use_muon"] not in (None, True, False):
+        raise ValueError(f"use_muon={group['use_muon']!r} must be None (by shape), True or False")
+
+
+class SignMuon(torch.optim.Optimizer):
+    """SignMuon (Mishra, Trivedi, Kumar, arXiv 2605.16311) with optional post-vote polar step.
+
+    Args:
+        params: parameters or param groups; a group may set ``use_muon`` (None = by shape).
+        lr: learning rate: each entry moves by about ``lr`` per step (entry-RMS of D <= 1).
+        momentum: beta of the local momentum, in [0, 1).
+        nesterov: vote the Nesterov look-ahead ``G.lerp(M, beta)`` instead of ``M``.
+        weight_decay: decoupled weight decay lambda (``W -= lr*lambda*W``).
+        coupled_weight_decay: lambda_c added to the gradient before the momentum.
+        ns_steps, ns_coefficients: the Newton–Schulz iteration (see ``newton_schulz``).
+        polar_after_vote: apply NS to the voted sign matrix and rescale it to entry-RMS 1.
+        non_matrix: ``"signum"`` (vote the sign of the local momentum, one bit on the wire) or
+            ``"adamw"`` (AdamW on the mean gradient, a full-precision all-reduce).
+        adamw_lr, adamw_betas, adamw_eps: AdamW settings of the ``"adamw"`` path (lr defaults to ``lr``).
+        tie, seed: the vote's tie mode and tie-break seed (see ``majority_vote``).
+        process_group: ranks that vote (None = WORLD).
+        vote_in_step: let ``step()`` vote across ``process_group`` itself (no DDP hook).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 2e-3,
+        momentum: float = 0.95,
+        *,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        coupled_weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
+        polar_after_vote: bool = False,
+        non_matrix: str = "signum",
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        tie: str = "exact",
+        seed: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        vote_in_step: bool = False,
+    ) -> None:
+        if tie not in TIE_MODES:
+            raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
+        self.tie = tie
+        self.seed = int(seed)
+        self.process_group = process_group
+        self.vote_in_step = bool(vote_in_step)
+        self.steps_taken = 0  # optimizer steps so far (tie-break seeds; checkpointed)
+        self._comm_state: SignMuonHookState | None = None
+        self._hook_iter_seen = 0
+        self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            coupled_weight_decay=coupled_weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            polar_after_vote=polar_after_vote,
+            non_matrix=non_matrix,
+            adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            use_muon=None,
+        )
+        super().__init__(params, defaults)
+
+    # -- parameter routing and eager state ------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+        names = group.get("param_names") or [None] * len(group["params"])
+        for index, (p, name) in enumerate(zip(group["params"], names)):
+            label = name or f"parameter {index} of group {len(self.param_groups) - 1} (shape {tuple(p.shape)})"
+            try:
+                path = parameter_path(p, group["use_muon"], group["non_matrix"])
+            except ValueError as error:
+                raise ValueError(f"{label}: {error}") from None
+            self._paths[p] = (len(self.param_groups) - 1, path)
+            # Eager, rank-symmetric state: the same keys and shapes everywhere from step 0.
+            state = self.state[p]
+            if path == "adamw":
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] = torch.tensor(0.0)
+            else:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _route(self, param: torch.Tensor) -> tuple[dict[str, Any], str]:
+        """(param group, path) of ``param``."""
+        if param not in self._paths:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not managed by this SignMuon")
+        index, path = self._paths[param]
+        return self.param_groups[index], path
+
+    def votes(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s update is voted (matrix and Signum paths) or all-reduced (AdamW)."""
+        return self._route(param)[1] != "adamw"
+
+    # -- the two halves of the math --------------------------------------------------------
+
+    @torch.no_grad()
+    def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Pre-vote half on this worker: advance the momentum with ``grad``, return the direction.
+
+        Matrix path: NS of the (Nesterov) momentum; Signum path: the momentum itself. Only the
+        signs of the result matter to the vote.
+        """
+        group, path = self._route(param)
+        beta = group["momentum"]
+        buf = self.state[param]["momentum_buffer"]
+        if group["coupled_weight_decay"]:
+            grad = grad.add(param, alpha=group["coupled_weight_decay"])
+        buf.lerp_(grad, 1 - beta)
+        direction = grad.lerp(buf, beta) if group["nesterov"] else buf
+        if path == "matrix":
+            matrix = newton_schulz(as_matrix(direction), group["ns_steps"], group["ns_coefficients"])
+            return matrix.view_as(param)
+        return direction
+
+    @staticmethod
+    def _post_vote(group: dict[str, Any], voted: torch.Tensor, path: str) -> torch.Tensor:
+        """D from the voted signs S: S itself, or NS(S) rescaled to entry-RMS 1."""
+        if path != "matrix" or not group["polar_after_vote"]:
+            return voted
+        polar = newton_schulz(as_matrix(voted), group["ns_steps"], group["ns_coefficients"])
+        rms = polar.norm() / math.sqrt(polar.numel())
+        return polar.div_(rms.clamp_min(1e-12)).view_as(voted)  # all-zero S stays zero
+
+    @staticmethod
+    def _adamw_update(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+        lr = group["lr"] if group["adamw_lr"] is None else group["adamw_lr"]
+        beta1, beta2 = group["adamw_betas"]
+        state["step"] += 1
+        step = state["step"].item()
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["adamw_eps"])
+        param.mul_(1 - lr * group["weight_decay"])
+        param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+    # -- DDP hook --------------------------------------------------------------------------
+
+    @property
+    def comm_state(self) -> SignMuonHookState:
+        """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
+        if self._comm_state is None:
+            self._comm_state = SignMuonHookState(self, self.process_group, tie=self.tie, seed=self.seed)
+            self._comm_state.iter = self._hook_iter_seen = self.steps_taken
+        return self._comm_state
+
+    def register_comm_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> SignMuonHookState:
+        """``ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)``; returns the state."""
+        ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)
+        return self.comm_state
+
+    def _check_hook_ran(self) -> None:
+        ran = self._comm_state.iter - self._hook_iter_seen
+        if ran == 0:
+            raise RuntimeError(
+                "SignMuon.step(): sign_muon_hook has not run since the last step; call backward() "
+                "through the DDP model the hook is registered on before step()"
+            )
+        if ran > 1:
+            raise RuntimeError(
+                f"SignMuon.step(): sign_muon_hook ran {ran} times since the last step, advancing the "
+                "momentum each time; accumulate micro-batches under ddp_model.no_sync()"
+            )
+        self._hook_iter_seen = self._comm_state.iter
+
+    # -- step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        world_size, _ = _group_size_rank(self.process_group)
+        hook_mode = self._comm_state is not None
+        if hook_mode:
+            self._check_hook_ran()
+        elif world_size > 1 and not self.vote_in_step:
+            raise RuntimeError(
+                f"SignMuon on {world_size} ranks without its communication hook: under DDP call "
+                "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
+            )
+        entries = [(*self._route(p), p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        entries = [(group, p, path) for group, path, p in entries]
+        voted = [(g, p, path) for g, p, path in entries if path != "adamw"]
+        averaged = [(g, p, path) for g, p, path in entries if path == "adamw"]
+        if hook_mode:
+            signs = [p.grad for _, p, _ in voted]  # the hook left the vote in .grad
+            means = [p.grad for _, p, _ in averaged]
+        else:
+            signs = self._vote([self.local_direction(p, p.grad) for _, p, _ in voted])
+            means = self._average([p.grad for _, p, _ in averaged])
+        for (group, p, path), s in zip(voted, signs):
+            update = self._post_vote(group, s, path)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
+        for (group, p, _), g in zip(averaged, means):
+            self._adamw_update(group, p, g, self.state[p])
+        self.steps_taken += 1
+        return loss
+
+    def _vote(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One vote for all directions (flattened together), split back per parameter."""
+        if not directions:
+            return []
+        flat = torch.cat([d.reshape(-1) for d in directions])
+        seed = self.seed * 1_000_003 + self.steps_taken
+        majority_vote(flat, self.process_group, tie=self.tie, seed=seed, out=flat)
+        return [chunk.view_as(d) for chunk, d in zip(flat.split([d.numel() for d in directions]), directions)]
+
+    def _average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        world_size, _ = _group_size_rank(self.process_group)
+        if world_size == 1 or not grads:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
+        dist.all_reduce(flat, group=self.process_group)
+        return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+    # -- checkpointing ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["signmuon"] = {"steps_taken": self.steps_taken}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        extra = state_dict.get("signmuon", {"steps_taken": 0})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "signmuon"})
+        self.steps_taken = int(extra["steps_taken"])
+        self._hook_iter_seen = self.steps_taken
+        if self._comm_state is not None:
+            self._comm_state.iter = self.steps_taken
