@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import CommStats, SignVoteState, allreduce_hook, sign_vote_hook
-from signmuon.optim import MuonWithAdamW, SignMuon
+from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,37 +64,62 @@ def digits_cnn() -> nn.Module:
     )  # fmt: skip
 
 
-# A method wraps the model (DDP with a hook, or anything else) and returns
-# (model, optimizer, stats): stats counts the bytes this rank sends.
-Method = Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer, CommStats]]
+@dataclasses.dataclass(kw_only=True)
+class Setup:
+    """A method's training objects on one rank."""
+
+    model: nn.Module
+    """What the training loop calls (DDP-wrapped)."""
+    optimizer: torch.optim.Optimizer
+    """What the training loop steps."""
+    stats: CommStats
+    """Counts the bytes this rank sends."""
+    averager: DPPFAverager | None = None
+    """For local SGD / DPPF: evaluation uses its consensus model (the workers' average)."""
+
+
+# A method turns the freshly initialised network into its Setup.
+Method = Callable[[nn.Module], Setup]
 
 
 def _ddp_allreduce(make_opt) -> Method:
-    def build(net: nn.Module):
+    def build(net: nn.Module) -> Setup:
         model = DDP(net)
         stats = CommStats()
         model.register_comm_hook(stats, allreduce_hook)
-        return model, make_opt(model.parameters()), stats
+        return Setup(model=model, optimizer=make_opt(model.parameters()), stats=stats)
 
     return build
 
 
 def _ddp_sign_vote(momentum: float, lr: float) -> Method:
-    def build(net: nn.Module):
+    def build(net: nn.Module) -> Setup:
         model = DDP(net)
         state = SignVoteState(momentum=momentum, start_iter=1)
         model.register_comm_hook(state, sign_vote_hook)
-        return model, torch.optim.SGD(model.parameters(), lr=lr), state.stats
+        return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), stats=state.stats)
 
     return build
 
 
 def _ddp_sign_muon(**options) -> Method:
-    def build(net: nn.Module):
+    def build(net: nn.Module) -> Setup:
         opt = SignMuon(net.parameters(), **options)
         model = DDP(net)
         opt.register_comm_hook(model)
-        return model, opt, opt.comm_state.stats
+        return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
+
+    return build
+
+
+def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
+    """Local SGD with momentum; pull=1, push=0 is plain periodic averaging, else DPPF."""
+
+    def build(net: nn.Module) -> Setup:
+        model = DDP(net)
+        averager = DPPFAverager(period, pull=pull, push=push, module=net)
+        opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), averager)
+        return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
 
     return build
 
@@ -107,6 +132,12 @@ METHODS: dict[str, Method] = {
     "muon_adamw": _ddp_allreduce(lambda p: MuonWithAdamW(p, lr=0.02, adamw_lr=2e-3)),
     "signmuon": _ddp_sign_muon(lr=2e-3),
     "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
+    "local_sgd_8": _local_sgd(8),
+    "local_sgd_32": _local_sgd(32),
+    "dppf_8": _local_sgd(8, pull=0.5, push=0.05),
+    "dppf_32": _local_sgd(32, pull=0.5, push=0.05),
+    "dppf_8_wide": _local_sgd(8, pull=0.5, push=0.2),
+    "dppf_32_wide": _local_sgd(32, pull=0.5, push=0.2),
 }
 
 
@@ -125,7 +156,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         raise ValueError(f"batch_size={config.batch_size} must divide by the world size {world_size}")
     x_train, y_train, x_test, y_test = digits_data(config.seed)
     torch.manual_seed(config.seed)
-    model, opt, stats = METHODS[method](digits_cnn())
+    setup = METHODS[method](digits_cnn())
+    model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
     log, step_times = [], []
@@ -139,19 +171,52 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         opt.step()
         step_times.append(time.perf_counter() - start)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            log.append({"step": step + 1, "loss": loss.item(), "test_acc": accuracy(model, x_test, y_test)})
-    return {
+            entry = {"step": step + 1, "loss": loss.item(), "test_acc": accuracy(model, x_test, y_test)}
+            if setup.averager is not None:
+                # Workers differ between rounds: report the consensus and the mean worker.
+                worker_acc = torch.tensor([entry["test_acc"]], dtype=torch.float64)
+                dist.all_reduce(worker_acc)
+                entry["worker_acc"] = worker_acc.item() / world_size
+                consensus = digits_cnn()
+                consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
+                entry["test_acc"] = accuracy(consensus, x_test, y_test)
+            log.append(entry)
+    result = {
         "method": method,
         "world_size": world_size,
         "test_acc": log[-1]["test_acc"],
-        "bytes_per_rank": stats.bytes_sent,
+        "bytes_per_rank": setup.stats.bytes_sent,
         "step_ms": 1e3 * statistics.median(step_times),
         "log": log,
     }
+    if setup.averager is not None:
+        result["worker_acc"] = log[-1]["worker_acc"]
+        result["rounds"] = setup.averager.rounds
+        result["mean_distance"] = setup.averager.mean_distance
+        result["final_state"] = setup.averager.consensus_state_dict(model.module)
+    else:
+        result["rounds"] = config.steps  # gradient communication every step
+        result["final_state"] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return result
 
 
-def run(methods: list[str], world_size: int, config: TrainConfig) -> list[dict]:
-    """Each method on ``world_size`` local gloo ranks (or the torchrun ranks); rank 0's results."""
+def valley_of(state: dict[str, torch.Tensor], config: TrainConfig, directions: int = 10) -> float:
+    """Inv. MV of a final (consensus) model on the training split (delta = 0.1 nats)."""
+    x_train, y_train, _, _ = digits_data(config.seed)
+    net = digits_cnn()
+    net.load_state_dict(state)
+    batches = list(zip(x_train.split(512), y_train.split(512)))
+    result = inverse_mean_valley(
+        net, nn.functional.cross_entropy, batches, directions=directions, delta=0.1, max_distance=50.0, seed=config.seed
+    )
+    return result.inverse_mean_valley
+
+
+def run(methods: list[str], world_size: int, config: TrainConfig, valley: bool = False) -> list[dict]:
+    """Each method on ``world_size`` local gloo ranks (or the torchrun ranks); rank 0's results.
+
+    ``valley`` adds each final (consensus) model's Inverse Mean Valley as ``inv_mv``.
+    """
     results = []
     for method in methods:
         if method not in METHODS:
@@ -160,15 +225,25 @@ def run(methods: list[str], world_size: int, config: TrainConfig) -> list[dict]:
             results.append(run_torchrun(train_worker, method, config))
         else:
             results.append(run_distributed(train_worker, world_size, method, config)[0])
+        if valley:
+            results[-1]["inv_mv"] = valley_of(results[-1]["final_state"], config)
     return results
 
 
 def print_table(results: list[dict]) -> None:
     base = next((r["bytes_per_rank"] for r in results if r["method"] == "adamw"), None)
-    print(f"{'method':>12} {'test acc':>9} {'MB sent/rank':>13} {'vs adamw':>9} {'step ms':>8}")
+    print(
+        f"{'method':>14} {'test acc':>9} {'worker acc':>10} {'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} "
+        f"{'step ms':>8} {'Inv.MV':>7}"
+    )
     for r in results:
         ratio = f"{r['bytes_per_rank'] / base:.3f}" if base else "-"
-        print(f"{r['method']:>12} {r['test_acc']:>9.3f} {r['bytes_per_rank'] / 1e6:>13.3f} {ratio:>9} {r['step_ms']:>8.2f}")
+        worker = f"{r['worker_acc']:.3f}" if "worker_acc" in r else "-"
+        inv_mv = f"{r['inv_mv']:.3f}" if "inv_mv" in r else "-"
+        print(
+            f"{r['method']:>14} {r['test_acc']:>9.3f} {worker:>10} {r['rounds']:>7} {r['bytes_per_rank'] / 1e6:>13.3f} "
+            f"{ratio:>9} {r['step_ms']:>8.2f} {inv_mv:>7}"
+        )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -178,15 +253,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
-    results = run(args.methods, args.world_size, config)
+    results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
         print_table(results)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+                json.dump([{k: v for k, v in r.items() if k != "final_state"} for r in results], f, indent=1)
     return results
 
 

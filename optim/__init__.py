@@ -1,7 +1,20 @@
 """Optimisation math: Newton–Schulz, SignMuon, the Muon baseline, the DPPF averager."""
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
+from .dppf import DPPFAverager, local_sgd
 from .muon_baseline import MuonWithAdamW
 from .sign_muon import SignMuon, parameter_path
+from .valley import ValleyResult, inverse_mean_valley
 
-__all__ = ["MUON_COEFFICIENTS", "MuonWithAdamW", "SignMuon", "as_matrix", "newton_schulz", "parameter_path"]
+__all__ = [
+    "DPPFAverager",
+    "MUON_COEFFICIENTS",
+    "MuonWithAdamW",
+    "SignMuon",
+    "ValleyResult",
+    "as_matrix",
+    "inverse_mean_valley",
+    "local_sgd",
+    "newton_schulz",
+    "parameter_path",
+]

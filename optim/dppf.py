@@ -1,0 +1,276 @@
+"""DPPF, Distributed Pull-Push Force (Dimlioglu, Choromanska, arXiv 2507.20424).
+
+Local SGD in which, every ``period`` steps after ``warmup_steps``, each worker i is pulled
+toward the workers' average and pushed away from it (DESIGN.md, "DPPF")::
+
+    x_bar <- mean_i x_i                        one all-reduce of the parameters
+    d_i   <- x_i - x_bar,   r_i <- ||d_i||
+    x_i   <- x_i - pull*d_i + push*d_i / max(r_i, eps)
+
+The distance to the average settles near ``push / pull``, so that ratio sets the width of
+the valley the workers span; the model to evaluate or save is the average x_bar
+(:meth:`DPPFAverager.consensus_state_dict`). ``pull=1, push=0`` is exactly PyTorch's
+``PeriodicModelAverager``, and ``push=0`` alone is elastic averaging.
+
+Typical use, with torch's post-local-SGD machinery unchanged (see :func:`local_sgd`)::
+
+    model = DDP(net)
+    averager = DPPFAverager(period=8, warmup_steps=100, pull=0.5, push=0.05, module=model.module)
+    opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05), averager)
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    weights = averager.consensus_state_dict(model.module)   # on every rank (a collective)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging import utils as averaging_utils
+from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+from signmuon.comm_hooks import CommStats
+
+__all__ = ["DPPFAverager", "local_sgd", "DISTANCES"]
+
+DISTANCES = ("model", "tensor")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+    return value
+
+
+def _mean_all_reduce(flat: torch.Tensor, group, world_size: int, stats: CommStats) -> torch.Tensor:
+    """In-place mean over the group, as torch's ``average_parameters`` computes it (divide, then sum)."""
+    flat /= world_size
+    if world_size > 1:
+        dist.all_reduce(flat, group=group)
+    ring = 2 * (world_size - 1) * flat.numel() * flat.element_size() // world_size
+    stats.add(ring, ring)
+    return flat
+
+
+class DPPFAverager(ModelAverager):
+    """Pull-push model averager; plugs into ``PostLocalSGDOptimizer`` like ``PeriodicModelAverager``.
+
+    Args:
+        period: local steps between averaging rounds (>= 1).
+        warmup_steps: steps before the first round (during which DDP averages gradients).
+        pull: alpha in [0, 1], the fraction of the way to the average each round.
+        push: lambda >= 0, the length of the step away from the average.
+        eps: floor of the distance the push is normalised by (so a worker at the average
+            is not pushed by a huge or NaN amount).
+        process_group: workers to average over (None = WORLD).
+        average_buffers: average ``module``'s floating-point buffers (BatchNorm statistics)
+            at each round, as a plain mean. (DDP by default copies rank 0's buffers to every
+            rank at each forward; buffers differ between rounds only where that is off.)
+        module: the module whose buffers to average (its parameters come via ``params``).
+        distance: ``"model"`` measures r_i over all averaged parameters together (the paper's
+            choice: one push of length ``push`` per worker); ``"tensor"`` measures and pushes
+            each tensor on its own (each moves ``push`` away from its own average).
+        track_distances: gather every worker's r_i each round (a tiny all-gather) for the
+            statistics ``mean_distance`` / ``max_distance``; off leaves them at this rank's r_i.
+
+    Statistics (read them off the object): ``rounds``, ``mean_distance``, ``max_distance``
+    (worker distance to x_bar at the last round, before the update: the measured valley
+    width), ``stats`` (bytes all-reduced, a :class:`CommStats`).
+    """
+
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int = 0,
+        *,
+        pull: float = 0.5,
+        push: float = 0.0,
+        eps: float = 1e-8,
+        process_group: dist.ProcessGroup | None = None,
+        average_buffers: bool = True,
+        module: nn.Module | None = None,
+        distance: str = "model",
+        track_distances: bool = True,
+    ) -> None:
+        self.period = _check_int("period", period, 1)
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        if not 0.0 <= pull <= 1.0:
+            raise ValueError(f"pull={pull} must be in [0, 1]: beyond 1 a worker overshoots the average")
+        if not push >= 0.0:
+            raise ValueError(f"push={push} must be >= 0")
+        if not eps > 0.0:
+            raise ValueError(f"eps={eps} must be > 0")
+        if distance not in DISTANCES:
+            raise ValueError(f"distance={distance!r} must be one of {DISTANCES}")
+        super().__init__(process_group)  # sets self.process_group (WORLD if None) and self.step = 0
+        self.pull = float(pull)
+        self.push = float(push)
+        self.eps = float(eps)
+        self.average_buffers = bool(average_buffers)
+        self.module = module
+        self.distance = distance
+        self.track_distances = bool(track_distances)
+        self.rounds = 0
+        self.mean_distance = float("nan")
+        self.max_distance = float("nan")
+        self.stats = CommStats()
+
+    def is_round(self, step: int | None = None) -> bool:
+        """Whether ``step`` (default: the next one) averages."""
+        step = self.step if step is None else step
+        return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+    def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
+        """Called after every optimizer step; runs a pull-push round when one is due.
+
+        As torch's averagers do, only parameters that have a gradient take part.
+        """
+        if self.is_round():
+            self._round(averaging_utils.get_params_to_average(params))
+        self.step += 1
+
+    @torch.no_grad()
+    def _round(self, params: list[torch.Tensor]) -> None:
+        group = self.process_group
+        if dist._rank_not_in_group(group):
+            return
+        world_size = dist.get_world_size(group)
+        self.stats.calls += 1
+        distances = []
+        for tensors in _by_dtype_and_device(params):
+            flat = torch.cat([p.reshape(-1) for p in tensors])  # [n] this worker's x
+            mean = _mean_all_reduce(flat.clone(), group, world_size, self.stats)  # [n] x_bar
+            offset = 0
+            diffs = [] if self.push else None
+            for p in tensors:
+                x_bar = mean[offset : offset + p.numel()].view_as(p)
+                if diffs is not None:
+                    diffs.append(p - x_bar)
+                # lerp is exact at weight 1, so pull=1, push=0 gives torch's average bit for bit.
+                p.lerp_(x_bar.to(p.dtype), self.pull)
+                offset += p.numel()
+            if diffs is not None:
+                distances += self._push(tensors, diffs)
+            else:
+                distances.append(float((flat - mean).norm()))
+        if self.average_buffers and self.module is not None:
+            self._average_buffers(world_size)
+        self._record(distances)
+        self.rounds += 1
+
+    def _push(self, tensors: list[torch.Tensor], diffs: list[torch.Tensor]) -> list[float]:
+        """x_i += push * d_i / max(r_i, eps), with r_i per model or per tensor; returns the r_i."""
+        if self.distance == "model":
+            r = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs))
+            for p, d in zip(tensors, diffs):
+                p.add_(d, alpha=self.push / max(r, self.eps))
+            return [r]
+        radii = []
+        for p, d in zip(tensors, diffs):
+            r = float(d.norm())
+            p.add_(d, alpha=self.push / max(r, self.eps))
+            radii.append(r)
+        return radii
+
+    def _average_buffers(self, world_size: int) -> None:
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        for tensors in _by_dtype_and_device(buffers):
+            flat = _mean_all_reduce(torch.cat([b.reshape(-1) for b in tensors]), self.process_group, world_size, self.stats)
+            offset = 0
+            for b in tensors:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    def _record(self, distances: list[float]) -> None:
+        # With several dtype groups or per-tensor distances, a worker's distance is their root sum of squares.
+        mine = math.sqrt(sum(r * r for r in distances))
+        if self.track_distances and dist.get_world_size(self.process_group) > 1:
+            gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(self.process_group))]
+            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.float64), group=self.process_group)
+            self.mean_distance = float(torch.cat(gathered).mean())
+            self.max_distance = float(torch.cat(gathered).max())
+        else:
+            self.mean_distance = self.max_distance = mine
+
+    # -- the consensus model ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def consensus_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with every floating-point tensor replaced by its mean over the
+        workers (x_bar): the model to evaluate or save. A collective: call it on every rank.
+        The workers' own parameters are left untouched, and ``stats`` does not count this
+        (evaluation traffic, not training)."""
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        world_size = dist.get_world_size(self.process_group)
+        floats = [v for v in state.values() if v.is_floating_point()]
+        for tensors in _by_dtype_and_device(floats):
+            flat = _mean_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), self.process_group, world_size, CommStats())
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return state
+
+    # -- checkpointing ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, settings and statistics (what a resumed run needs to continue)."""
+        return {
+            "step": self.step,
+            "rounds": self.rounds,
+            "period": self.period,
+            "warmup_steps": self.warmup_steps,
+            "pull": self.pull,
+            "push": self.push,
+            "eps": self.eps,
+            "distance": self.distance,
+            "mean_distance": self.mean_distance,
+            "max_distance": self.max_distance,
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters and statistics; settings must match the ones this averager has."""
+        for name in ("period", "warmup_steps", "pull", "push", "distance"):
+            if state[name] != getattr(self, name):
+                raise ValueError(f"checkpoint has {name}={state[name]!r}, this averager {getattr(self, name)!r}")
+        self.step = int(state["step"])
+        self.rounds = int(state["rounds"])
+        self.mean_distance = float(state["mean_distance"])
+        self.max_distance = float(state["max_distance"])
+        self.stats.load_state_dict(state["stats"])
+
+
+def _by_dtype_and_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors so each group flattens into one buffer without casting: one collective each."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def local_sgd(
+    ddp_model: nn.parallel.DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    averager: ModelAverager,
+) -> torch.distributed.optim.PostLocalSGDOptimizer:
+    """Set up local SGD: all-reduce gradients for ``averager.warmup_steps``, then none at all.
+
+    Registers torch's ``post_localSGD_hook`` with one-rank subgroups (so after the warm-up
+    no gradient leaves its worker; torch's default subgroup is the whole node) and wraps
+    ``optimizer`` in ``PostLocalSGDOptimizer(optimizer, averager)``, whose ``state_dict``
+    also records the averager's step. All ranks must call it (it creates subgroups).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    group = averager.process_group
+    alone, _ = dist.new_subgroups(group_size=1)
+    state = PostLocalSGDState(process_group=group, subgroup=alone, start_localSGD_iter=averager.warmup_steps)
+    ddp_model.register_comm_hook(state, post_localSGD_hook)
+    return PostLocalSGDOptimizer(optimizer, averager)
