@@ -5,6 +5,7 @@ Commands:
   train      the training benchmark (accuracy, bytes per rank, step time)
   kernels    pack / vote / unpack time as ratios to memcpy
   ddp-step   DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote
+  deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         from signmuon.benchmarks import kernels
 
         kernels.main(rest)
+    elif command == "deepspeed-step":
+        from signmuon.benchmarks import deepspeed_step
+
+        deepspeed_step.main(rest)
     elif command == "ddp-step":
         from signmuon.benchmarks import ddp_step
 

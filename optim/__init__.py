@@ -4,6 +4,7 @@ from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 from .dppf import DPPFAverager, local_sgd
 from .muon_baseline import MuonWithAdamW
 from .sign_muon import SignMuon, parameter_path
+from .sign_vote_optim import SignSGDMV, SignumMV
 from .valley import ValleyResult, inverse_mean_valley
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "MUON_COEFFICIENTS",
     "MuonWithAdamW",
     "SignMuon",
+    "SignSGDMV",
+    "SignumMV",
     "ValleyResult",
     "as_matrix",
     "inverse_mean_valley",

@@ -33,12 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from signmuon.comm_hooks import TIE_MODES, SignMuonHookState, majority_vote, sign_muon_hook
+from signmuon.comm_hooks import TIE_MODES, CommStats, SignMuonHookState, allreduce_mean, majority_vote, sign_muon_hook
 from signmuon.comm_hooks.collective import _group_size_rank
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 
 __all__ = ["SignMuon", "parameter_path"]
+
+
+def _to_cpu(state: dict) -> dict:
+    return {k: {name: v.detach().cpu() if torch.is_tensor(v) else v for name, v in s.items()} for k, s in state.items()}
 
 NON_MATRIX_PATHS = ("signum", "adamw")
 
@@ -99,7 +103,13 @@ class SignMuon(torch.optim.Optimizer):
         tie, seed: the vote's tie mode and tie-break seed (see ``majority_vote``).
         process_group: ranks that vote (None = WORLD).
         vote_in_step: let ``step()`` vote across ``process_group`` itself (no DDP hook).
+        checkpoint_all_ranks: make ``state_dict()`` a collective that gathers every rank's
+            local momentum into the one dict (so a checkpoint written by rank 0 alone, as
+            DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
+            rank's part). Off by default: then each rank saves its own ``state_dict()``.
     """
+
+    _default_use_muon: bool | None = None  # param groups' default: None decides by shape
 
     def __init__(
         self,
@@ -121,6 +131,7 @@ class SignMuon(torch.optim.Optimizer):
         seed: int = 0,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
+        checkpoint_all_ranks: bool = False,
     ) -> None:
         if tie not in TIE_MODES:
             raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
@@ -128,7 +139,9 @@ class SignMuon(torch.optim.Optimizer):
         self.seed = int(seed)
         self.process_group = process_group
         self.vote_in_step = bool(vote_in_step)
+        self.checkpoint_all_ranks = bool(checkpoint_all_ranks)
         self.steps_taken = 0  # optimizer steps so far (tie-break seeds; checkpointed)
+        self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
         self._comm_state: SignMuonHookState | None = None
         self._hook_iter_seen = 0
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
@@ -145,7 +158,7 @@ class SignMuon(torch.optim.Optimizer):
             adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas),
             adamw_eps=adamw_eps,
-            use_muon=None,
+            use_muon=self._default_use_muon,
         )
         super().__init__(params, defaults)
 
@@ -250,7 +263,8 @@ class SignMuon(torch.optim.Optimizer):
         if ran > 1:
             raise RuntimeError(
                 f"SignMuon.step(): sign_muon_hook ran {ran} times since the last step, advancing the "
-                "momentum each time; accumulate micro-batches under ddp_model.no_sync()"
+                "momentum each time; accumulate micro-batches with their forward and backward under "
+                "ddp_model.no_sync()"
             )
         self._hook_iter_seen = self._comm_state.iter
 
@@ -297,15 +311,15 @@ class SignMuon(torch.optim.Optimizer):
             return []
         flat = torch.cat([d.reshape(-1) for d in directions])
         seed = self.seed * 1_000_003 + self.steps_taken
-        majority_vote(flat, self.process_group, tie=self.tie, seed=seed, out=flat)
+        majority_vote(flat, self.process_group, tie=self.tie, seed=seed, out=flat, stats=self.stats)
         return [chunk.view_as(d) for chunk, d in zip(flat.split([d.numel() for d in directions]), directions)]
 
     def _average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         world_size, _ = _group_size_rank(self.process_group)
         if world_size == 1 or not grads:
             return grads
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
-        dist.all_reduce(flat, group=self.process_group)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        allreduce_mean(flat, self.process_group, self.stats).wait()
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
     # -- checkpointing ---------------------------------------------------------------------
@@ -313,11 +327,26 @@ class SignMuon(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["signmuon"] = {"steps_taken": self.steps_taken}
+        world_size, _ = _group_size_rank(self.process_group)
+        if self.checkpoint_all_ranks and world_size > 1:
+            # The momentum is each worker's own (it runs before the vote): keep every rank's.
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, _to_cpu(state["state"]), group=self.process_group)
+            state["signmuon"]["rank_states"] = gathered
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         extra = state_dict.get("signmuon", {"steps_taken": 0})
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "signmuon"})
+        state_dict = {k: v for k, v in state_dict.items() if k != "signmuon"}
+        if "rank_states" in extra:
+            world_size, rank = _group_size_rank(self.process_group)
+            if len(extra["rank_states"]) != world_size:
+                raise ValueError(
+                    f"the checkpoint holds the local state of {len(extra['rank_states'])} ranks, but "
+                    f"{world_size} ranks are loading it; resume on the same number of ranks"
+                )
+            state_dict["state"] = extra["rank_states"][rank]
+        super().load_state_dict(state_dict)
         self.steps_taken = int(extra["steps_taken"])
         self._hook_iter_seen = self.steps_taken
         if self._comm_state is not None:

@@ -1,0 +1,124 @@
+"""``initialize``: ``deepspeed.initialize`` with SignMuon / SignumMV / SignSGDMV as config optimizers."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from typing import Any
+
+import torch
+
+from signmuon.optim import SignMuon, SignSGDMV, SignumMV
+
+__all__ = ["OPTIMIZER_TYPES", "initialize"]
+
+OPTIMIZER_TYPES: dict[str, type[SignMuon]] = {"signmuon": SignMuon, "signummv": SignumMV, "signsgdmv": SignSGDMV}
+# Set by the integration itself, so not settable from the config.
+_RESERVED = {"params", "process_group", "vote_in_step", "checkpoint_all_ranks"}
+
+
+def _deepspeed():
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise ImportError(
+            "signmuon.integrations.deepspeed needs DeepSpeed: pip install 'signmuon[deepspeed]'"
+        ) from error
+    return deepspeed
+
+
+def _load_config(config: str | os.PathLike | dict | None) -> dict[str, Any]:
+    if config is None:
+        raise ValueError("config is required: a DeepSpeed config dict or the path of its JSON file")
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def valid_params(optimizer_class: type[SignMuon]) -> list[str]:
+    """The ``"params"`` keys a config may give ``optimizer_class``."""
+    names = inspect.signature(optimizer_class.__init__).parameters
+    return sorted(name for name in names if name not in _RESERVED and name != "self")
+
+
+def _check_supported(config: dict[str, Any], name: str) -> None:
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage:
+        raise ValueError(
+            f"optimizer {name} with ZeRO stage {stage}: ZeRO reduces and partitions full-precision gradients, "
+            "which is the communication the majority vote replaces; use \"zero_optimization\": {\"stage\": 0}"
+        )
+    if config.get("fp16", {}).get("enabled", False):
+        raise ValueError(
+            f"optimizer {name} with fp16: DeepSpeed's fp16 optimizer adds loss scaling (which a sign vote "
+            "does not need) and flattens the parameters; train in fp32, with torch.autocast for "
+            "half-precision compute in the forward pass"
+        )
+    if config.get("bf16", {}).get("enabled", False):
+        raise ValueError(
+            f"optimizer {name} with bf16: DeepSpeed's bf16 optimizer replaces the parameters with flat "
+            "fp32 partitions, losing the matrix shapes Newton–Schulz needs; train in fp32, with "
+            "torch.autocast(dtype=torch.bfloat16) for bf16 compute in the forward pass"
+        )
+
+
+def initialize(
+    *,
+    model: torch.nn.Module,
+    config: str | os.PathLike | dict,
+    model_parameters=None,
+    optimizer=None,
+    **kwargs: Any,
+):
+    """``deepspeed.initialize`` that also understands our optimizer types.
+
+    If ``config["optimizer"]["type"]`` is ``SignMuon``, ``SignumMV`` or ``SignSGDMV`` (any
+    case), the optimizer is built from its ``"params"`` (unknown keys are rejected with the
+    valid list), DeepSpeed's own gradient all-reduce is switched off, and the optimizer's
+    ``step()`` majority-votes across the data-parallel ranks with the same collective as the
+    DDP hook. Every other key goes to DeepSpeed unchanged; a config with none of our types
+    is handed to ``deepspeed.initialize`` exactly as given.
+
+    DeepSpeed clips gradients at norm 1.0 unless the config sets ``"gradient_clipping"``; with
+    our types that clips each worker's local gradient before its momentum. Set it to 0 for the
+    exact math of the DDP hook.
+
+    Supported with our types: ZeRO stage 0 in fp32 (use ``torch.autocast`` for low-precision
+    compute); ZeRO >= 1, fp16 and bf16 (whose DeepSpeed optimizers flatten the parameters)
+    are refused here with the reason and what to use instead. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep
+    every rank's local momentum, which DeepSpeed's rank-0 file would otherwise lose.
+
+    Returns:
+        DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+    """
+    deepspeed = _deepspeed()
+    loaded = _load_config(config)
+    spec = loaded.get("optimizer")
+    name = str(spec.get("type", "")) if isinstance(spec, dict) else ""
+    optimizer_class = OPTIMIZER_TYPES.get(name.lower())
+    if optimizer_class is None:
+        return deepspeed.initialize(
+            model=model, config=config, model_parameters=model_parameters, optimizer=optimizer, **kwargs
+        )
+    if optimizer is not None:
+        raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
+    _check_supported(loaded, name)
+    params = dict(spec.get("params", {}))
+    allowed = valid_params(optimizer_class)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown params {unknown} for optimizer {name}; valid: {allowed}")
+    trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    # checkpoint_all_ranks: DeepSpeed writes the optimizer state from rank 0 only, but
+    # the momentum is each worker's own.
+    opt = optimizer_class(trainable, vote_in_step=True, checkpoint_all_ranks=True, **params)
+    config_rest = {k: v for k, v in loaded.items() if k != "optimizer"}
+    engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
+        model=model, config=config_rest, optimizer=opt, **kwargs
+    )
+    engine.enable_backward_allreduce = False  # the vote in opt.step() is the gradient reduction
+    opt.process_group = engine.data_parallel_group  # vote among data-parallel replicas only
+    return engine, ds_optimizer, loader, scheduler

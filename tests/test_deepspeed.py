@@ -1,0 +1,220 @@
+"""DeepSpeed integration (DeepSpeed 0.19.8 on CPU, gloo): config-enabled SignMuon against the
+DDP hook, checkpoints, refused configs, pass-through, and the compressed backend."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.benchmarks.launch import run_distributed
+from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
+from signmuon.optim import SignMuon
+
+# DeepSpeed compiles a shared-memory op at its first init_distributed (~60 s): build it once
+# into a cache the spawned ranks inherit.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions"))
+
+OPT_PARAMS = {"lr": 0.01, "momentum": 0.9, "polar_after_vote": True, "weight_decay": 0.01}
+STEPS = 4
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _micro_batch(rank, step, micro):
+    gen = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    return torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+
+
+def _config(gas=1, optimizer_type="SignMuon", **extra):
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": optimizer_type, "params": dict(OPT_PARAMS)},
+        "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the DDP hook does not clip
+        **extra,
+    }
+
+
+def _deepspeed_run(rank, world_size, gas, steps, start=0, load=None, save=None, scheduler=False):
+    extra = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}}} if scheduler else {}
+    model = _model()
+    engine, optimizer, _, lr_scheduler = initialize(model=model, config=_config(gas, **extra))
+    assert engine.enable_backward_allreduce is False
+    if load:
+        engine.load_checkpoint(load, tag="t")
+    history, lrs = [], []
+    for step in range(start, start + steps):
+        for micro in range(gas):
+            x, y = _micro_batch(rank, step, micro)
+            engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+        lrs.append(optimizer.param_groups[0]["lr"])
+    if save:
+        engine.save_checkpoint(save, tag="t")
+    return dict(history=history, lrs=lrs, scheduler=type(lr_scheduler).__name__)
+
+
+def _ddp_run(rank, world_size, gas, steps):
+    net = _model()
+    opt = SignMuon(net.parameters(), **OPT_PARAMS)
+    model = DDP(net)
+    opt.register_comm_hook(model)
+    history = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(gas):
+            x, y = _micro_batch(rank, step, micro)
+            sync = contextlib.nullcontext() if micro == gas - 1 else model.no_sync()
+            with sync:  # no_sync must cover the forward too
+                (nn.functional.cross_entropy(model(x), y) / gas).backward()  # DeepSpeed scales by 1/gas too
+        opt.step()
+        history.append([p.detach().clone() for p in net.parameters()])
+    return dict(history=history)
+
+
+def _both(rank, world_size, gas):
+    return _deepspeed_run(rank, world_size, gas, STEPS), _ddp_run(rank, world_size, gas, STEPS)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_config_signmuon_equals_ddp_hook_step_for_step(gas):
+    results = run_distributed(_both, 2, gas, timeout=600)
+    for rank, (ds, ddp) in enumerate(results):
+        for step in range(STEPS):
+            for a, b in zip(ds["history"][step], ddp["history"][step]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step}")
+    assert not torch.equal(results[0][0]["history"][0][0], results[0][0]["history"][-1][0])
+    for a, b in zip(results[0][0]["history"][-1], results[1][0]["history"][-1]):
+        assert torch.equal(a, b), "replicas diverged"
+
+
+def test_checkpoint_resume_and_scheduler(tmp_path):
+    whole = run_distributed(_deepspeed_run, 2, 1, 4, 0, None, None, True, timeout=600)
+    run_distributed(_deepspeed_run, 2, 1, 2, 0, None, str(tmp_path), True, timeout=600)
+    resumed = run_distributed(_deepspeed_run, 2, 1, 2, 2, str(tmp_path), None, True, timeout=600)
+    for r in range(2):
+        for a, b in zip(whole[r]["history"][-1], resumed[r]["history"][-1]):
+            assert torch.equal(a, b), "resumed run differs (momentum of some rank lost?)"
+    # DeepSpeed's WarmupLR drives our optimizer's lr (and is checkpointed with it).
+    assert whole[0]["scheduler"] == "WarmupLR"
+    assert whole[0]["lrs"][0] < whole[0]["lrs"][2] == pytest.approx(0.01)
+    assert resumed[0]["lrs"] == whole[0]["lrs"][2:]
+
+
+def _passthrough(rank, world_size):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}}
+    engine, _, _, _ = initialize(model=model, config=config, optimizer=opt)
+    x, y = _micro_batch(rank, 0, 0)
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    grads = [p.grad.clone() for p in model.parameters()]
+    local = _model()
+    nn.functional.cross_entropy(local(x), y).backward()
+    return engine.enable_backward_allreduce, grads, [p.grad.clone() for p in local.parameters()]
+
+
+def test_config_without_our_types_is_plain_deepspeed():
+    results = run_distributed(_passthrough, 2, timeout=600)
+    allreduce_on = results[0][0]
+    assert allreduce_on
+    for i in range(len(results[0][1])):
+        mean = (results[0][2][i] + results[1][2][i]) / 2
+        torch.testing.assert_close(results[0][1][i], mean, rtol=1e-5, atol=1e-7)  # DeepSpeed averaged grads
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (_config(optimizer_type="signmuon") | {"optimizer": {"type": "SignMuon", "params": {"lr": 0.1, "betas": 1}}},
+         r"unknown params \['betas'\].*valid: \[.*'momentum'"),
+        (_config(zero_optimization={"stage": 2}), "ZeRO stage 2.*stage\": 0"),
+        (_config(fp16={"enabled": True}), "fp16.*fp32"),
+        (_config(bf16={"enabled": True}), "bf16.*matrix shapes"),
+        (_config(optimizer_type="SIGNUMMV") | {"optimizer": {"type": "SIGNUMMV", "params": {"polar_after_vote": True}}},
+         r"unknown params \['polar_after_vote'\] for optimizer SIGNUMMV"),
+    ],
+)  # fmt: skip
+def test_refused_configs(config, match):
+    with pytest.raises(ValueError, match=match):
+        initialize(model=_model(), config=config)
+
+
+# --- the compressed backend --------------------------------------------------------------
+
+
+def _reference_compressed_allreduce(buffers, worker_errors, server_errors):
+    """1-bit Adam's error-feedback scaled-sign all-reduce, in floats, for all ranks at once."""
+    M = len(buffers)
+    n = worker_errors[0].numel()
+    chunk = n // M
+
+    def compress(x):
+        scale = x.norm() / (x.numel() ** 0.5)
+        sign = torch.where(x >= 0, 1.0, -1.0)
+        return scale, sign, x - scale * sign
+
+    compressed = []
+    for r in range(M):
+        x = torch.zeros(n)
+        x[: buffers[r].numel()] = buffers[r].reshape(-1)
+        scale, sign, worker_errors[r] = compress(x + worker_errors[r])
+        compressed.append(scale * sign)
+    pieces = []
+    for r in range(M):
+        server = sum(c[r * chunk : (r + 1) * chunk] for c in compressed) / M
+        scale, sign, server_errors[r] = compress(server + server_errors[r])
+        pieces.append(scale * sign)
+    result = torch.cat(pieces)[: buffers[0].numel()].view_as(buffers[0])
+    return result, worker_errors, server_errors
+
+
+def _backend_worker(rank, world_size, shape, calls):
+    backend = SignCompressedBackend()
+    n = torch.Size(shape).numel()
+    padded = -(-n // (8 * world_size)) * 8 * world_size
+    worker_error, server_error = torch.zeros(padded), torch.zeros(padded // world_size)
+    outs = []
+    for call in range(calls):
+        buffer = torch.randn(shape, generator=torch.Generator().manual_seed(100 * rank + call))
+        backend.compressed_allreduce(buffer, worker_error, server_error, local_rank=0)
+        outs.append((buffer.clone(), worker_error.clone(), server_error.clone()))
+    voted = backend.majority_vote(torch.randn(37, generator=torch.Generator().manual_seed(rank)))
+    return outs, voted, backend.stats.bytes_sent
+
+
+@pytest.mark.parametrize("world_size, shape", [(2, (5, 7)), (3, (100,))])
+def test_compressed_allreduce_matches_reference(world_size, shape):
+    calls = 3
+    results = run_distributed(_backend_worker, world_size, shape, calls)
+    n = torch.Size(shape).numel()
+    padded = -(-n // (8 * world_size)) * 8 * world_size
+    worker_errors = [torch.zeros(padded) for _ in range(world_size)]
+    server_errors = [torch.zeros(padded // world_size) for _ in range(world_size)]
+    for call in range(calls):
+        buffers = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + call)) for r in range(world_size)]
+        expected, worker_errors, server_errors = _reference_compressed_allreduce(buffers, worker_errors, server_errors)
+        for r in range(world_size):
+            out, w_err, s_err = results[r][0][call]
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(w_err, worker_errors[r], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s_err, server_errors[r], rtol=1e-5, atol=1e-6)
+    votes = torch.stack([torch.sign(torch.randn(37, generator=torch.Generator().manual_seed(r))) for r in range(world_size)])
+    assert torch.equal(results[0][1], torch.sign(votes.sum(0)))
+    assert results[0][2] > 0
+
+
+def test_backend_rejects_bad_buffers():
+    backend = SignCompressedBackend()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        backend.compressed_allreduce(torch.randn(10), torch.zeros(12), torch.zeros(12))
+    with pytest.raises(ValueError, match="server_error"):
+        backend.compressed_allreduce(torch.randn(10), torch.zeros(16), torch.zeros(3))
