@@ -1,6 +1,24 @@
 """Communication: sign bit packing, the majority-vote collective, DDP hooks and their state."""
 
-from .collective import ALGORITHMS, TIE_MODES, CommStats, VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .collective import (
+    ALGORITHMS,
+    NONFINITE_ACTIONS,
+    TIE_MODES,
+    CommStats,
+    NonFiniteError,
+    VoteWork,
+    majority_vote,
+    majority_vote_async,
+    nonfinite_flag,
+    vote_bytes_per_rank,
+)
+from .consistency import (
+    ReplicaDivergenceError,
+    SettingsMismatchError,
+    check_replicas,
+    check_same_settings,
+    settings_digest,
+)
 from .packing import (
     pack_planes,
     pack_nonzero,
@@ -17,6 +35,10 @@ from .vote import vote_packed, vote_reference
 
 __all__ = [
     "ALGORITHMS",
+    "NONFINITE_ACTIONS",
+    "NonFiniteError",
+    "ReplicaDivergenceError",
+    "SettingsMismatchError",
     "TIE_MODES",
     "CommStats",
     "SignMuonHookState",
@@ -26,15 +48,19 @@ __all__ = [
     "VoteWork",
     "allreduce_hook",
     "allreduce_mean",
+    "check_replicas",
+    "check_same_settings",
     "pack_planes",
     "majority_vote",
     "majority_vote_async",
+    "nonfinite_flag",
     "pack_nonzero",
     "pack_nonzero_reference",
     "pack_signs",
     "pack_signs_reference",
     "packed_size",
     "sign_muon_hook",
+    "settings_digest",
     "sign_vote_hook",
     "unpack_signs",
     "unpack_signs_reference",

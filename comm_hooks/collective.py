@@ -43,23 +43,30 @@ import torch.distributed as dist
 from .packing import pack_planes, packed_size, unpack_signs
 from .vote import vote_packed
 
-__all__ = ["CommStats", "VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank", "TIE_MODES", "ALGORITHMS"]
+__all__ = ["CommStats", "NonFiniteError", "VoteWork", "majority_vote", "NONFINITE_ACTIONS", "majority_vote_async", "vote_bytes_per_rank", "TIE_MODES", "ALGORITHMS"]
 
 TIE_MODES = ("exact", "fast")
 ALGORITHMS = ("auto", "two_phase", "all_gather")
 _WORD = 8  # bytes
-_HAS_ZERO = 1  # header flag bit
+_HAS_ZERO = 1  # header flag bits
+_NONFINITE = 2
+NONFINITE_ACTIONS = ("skip", "raise")
+
+
+class NonFiniteError(RuntimeError):
+    """Some rank's tensor held NaN or Inf; raised on every rank alike (``nonfinite="raise"``)."""
 
 
 class CommStats:
-    """Bytes a rank sent and received through the vote collective (and the hook's all-reduces)."""
+    """Calls, bytes sent and received, and calls skipped for non-finite input."""
 
-    __slots__ = ("calls", "bytes_sent", "bytes_received")
+    __slots__ = ("calls", "bytes_sent", "bytes_received", "skipped")
 
     def __init__(self) -> None:
         self.calls = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.skipped = 0
 
     def add(self, sent: int, received: int) -> None:
         self.bytes_sent += sent
@@ -70,10 +77,11 @@ class CommStats:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for name in self.__slots__:
-            setattr(self, name, int(state[name]))
+            setattr(self, name, int(state.get(name, 0)))
 
     def __repr__(self) -> str:
-        return f"CommStats(calls={self.calls}, bytes_sent={self.bytes_sent}, bytes_received={self.bytes_received})"
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
+        return f"CommStats({fields})"
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -123,7 +131,19 @@ def _with_header(flags: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
     return torch.cat([flags.to(torch.int64).expand(rows).unsqueeze(1), payload], dim=1)
 
 
-def _check_inputs(tensor: torch.Tensor, tie: str, algorithm: str) -> None:
+def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: does ``tensor`` hold NaN or ±Inf? One summing pass, no CUDA sync.
+
+    A float64 sum of fp32/fp16/bf16 values cannot overflow, so it is finite exactly when
+    every entry is; only float64 input needs the entry-wise check when its sum overflows.
+    """
+    bad = ~torch.isfinite(tensor.sum(dtype=torch.float64))
+    if tensor.dtype == torch.float64 and bool(bad):
+        bad = ~torch.isfinite(tensor).all()
+    return bad
+
+
+def _check_inputs(tensor: torch.Tensor, tie: str, algorithm: str, nonfinite: str = "skip") -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
@@ -134,6 +154,8 @@ def _check_inputs(tensor: torch.Tensor, tie: str, algorithm: str) -> None:
         raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
+    if nonfinite not in NONFINITE_ACTIONS:
+        raise ValueError(f"nonfinite={nonfinite!r} is not an action; use one of {NONFINITE_ACTIONS}")
 
 
 class VoteWork:
@@ -145,12 +167,18 @@ class VoteWork:
     what keeps ranks matched: gloo pairs collectives by issue order, so a collective issued
     from a future's callback thread could pair with a different one on another rank. A DDP
     hook interleaves the stages of consecutive buckets to overlap them with backward.
+
+    Non-finite input: each rank's first header word also says whether its tensor holds NaN or
+    Inf, so after the first exchange every rank knows which ranks had any, at no extra round
+    trip. Then all of them skip the rest: the result is all zeros (no entry moves) and
+    ``stats.skipped`` counts it, or with ``nonfinite="raise"`` all raise :class:`NonFiniteError`
+    naming those ranks and ``label``.
     """
 
     __slots__ = (
-        "_group", "_world_size", "_rank", "_tie", "_seed", "_stats", "_algorithm",
+        "_group", "_world_size", "_rank", "_tie", "_seed", "_stats", "_algorithm", "_nonfinite", "_label",
         "_device", "_out", "_numel", "_words", "_shard", "_positive", "_nonzero",
-        "_recv", "_work", "_voted", "_stage",
+        "_recv", "_work", "_voted", "_stage", "_skipped",
     )
 
     def __init__(
@@ -163,8 +191,10 @@ class VoteWork:
         out: torch.Tensor | None = None,
         stats: CommStats | None = None,
         algorithm: str = "auto",
+        nonfinite: str = "skip",
+        label: str = "",
     ) -> None:
-        _check_inputs(tensor, tie, algorithm)
+        _check_inputs(tensor, tie, algorithm, nonfinite)
         if out is None:
             out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         elif out.shape != tensor.shape or not out.is_contiguous() or not out.is_floating_point():
@@ -172,6 +202,7 @@ class VoteWork:
         self._group = group
         self._world_size, self._rank = _group_size_rank(group)
         self._tie, self._seed, self._stats, self._out = tie, seed, stats, out
+        self._nonfinite, self._label, self._skipped = nonfinite, label, False
         self._algorithm = _choose_algorithm(algorithm, self._world_size)
         self._numel = tensor.numel()
         self._device = tensor.device
@@ -186,6 +217,7 @@ class VoteWork:
         self._positive = _padded_words(positive, self._numel, self._words)
         self._nonzero = _padded_words(nonzero, self._numel, self._words)
         zero_flag = (~self._nonzero).any().to(torch.int64) * _HAS_ZERO
+        zero_flag = zero_flag | nonfinite_flag(tensor).to(device=zero_flag.device, dtype=torch.int64) * _NONFINITE
         self._voted: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stage = 0
         M, S = self._world_size, self._shard
@@ -236,7 +268,16 @@ class VoteWork:
         if self._work is not None:
             self._work.wait()
         M, W, S = self._world_size, self._words, self._shard
-        zero_ranks = [i for i, f in enumerate(self._recv[:, 0].tolist()) if f & _HAS_ZERO]
+        flags = self._recv[:, 0].tolist()
+        bad_ranks = [i for i, f in enumerate(flags) if f & _NONFINITE]
+        if bad_ranks:  # every rank sees the same flags, so all take this branch together
+            self._stage, self._skipped = 1, True
+            if self._stats is not None:
+                self._stats.skipped += 1
+            if self._nonfinite == "raise":
+                raise NonFiniteError(f"NaN or Inf in {self._label or 'the voted tensor'} on rank(s) {bad_ranks}")
+            return
+        zero_ranks = [i for i, f in enumerate(flags) if f & _HAS_ZERO]
         two_phase = M > 1 and self._algorithm == "two_phase"
         nz = None
         if zero_ranks and two_phase:
@@ -267,6 +308,11 @@ class VoteWork:
         if self._stage == 2:
             return self._out
         self.exchange()
+        if self._skipped:
+            self._out.zero_()
+            self._stage = 2
+            self._recv = self._work = self._positive = self._nonzero = None
+            return self._out
         voted_pos, voted_nz = self._voted
         if self._world_size > 1 and self._algorithm == "two_phase":
             M, S = self._world_size, self._shard
@@ -310,13 +356,18 @@ def majority_vote_async(
     out: torch.Tensor | None = None,
     stats: CommStats | None = None,
     algorithm: Literal["auto", "two_phase", "all_gather"] = "auto",
+    nonfinite: Literal["skip", "raise"] = "skip",
+    label: str = "",
 ) -> VoteWork:
     """Start a vote and return its :class:`VoteWork`; ``.wait()`` gives the voted tensor.
 
     Packing and the first exchange start before this returns, so they overlap with whatever
-    the caller does next. Arguments are those of :func:`majority_vote`.
+    the caller does next. Arguments are those of :func:`majority_vote`; ``label`` names the
+    tensor in errors (e.g. ``"bucket 3"``).
     """
-    return VoteWork(tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm)
+    return VoteWork(
+        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm, nonfinite=nonfinite, label=label
+    )
 
 
 def majority_vote(
@@ -328,6 +379,7 @@ def majority_vote(
     out: torch.Tensor | None = None,
     stats: CommStats | None = None,
     algorithm: Literal["auto", "two_phase", "all_gather"] = "auto",
+    nonfinite: Literal["skip", "raise"] = "skip",
 ) -> torch.Tensor:
     """``sign(sum_i sign(tensor_i))`` over the ranks of ``group`` (None = WORLD), on every rank.
 
@@ -340,10 +392,13 @@ def majority_vote(
         out: contiguous float tensor shaped like ``tensor`` to write into (may be ``tensor``).
         stats: a :class:`CommStats` the bytes sent and received are added to.
         algorithm: ``"auto"`` (all-gather for M <= 2, two-phase above), or force one.
+        nonfinite: if any rank's tensor holds NaN or Inf, ``"skip"`` returns zeros on every
+            rank (counted in ``stats.skipped``) and ``"raise"`` raises :class:`NonFiniteError`
+            on every rank; either way decided in the first exchange, with no extra round trip.
 
     Returns:
         the voted tensor, entries in {-1, 0, +1}, in ``tensor``'s dtype (or ``out``).
     """
     return majority_vote_async(
-        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm
+        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm, nonfinite=nonfinite
     ).wait()

@@ -53,14 +53,27 @@ class SignMuonHookState(VoteHookState):
         tie: str = "exact",
         seed: int = 0,
         algorithm: str = "auto",
+        nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         if not (callable(getattr(optimizer, "votes", None)) and callable(getattr(optimizer, "local_direction", None))):
             raise TypeError(
                 f"SignMuonHookState needs the SignMuon optimizer, got {type(optimizer).__name__}; "
                 "create it with opt.register_comm_hook(ddp_model)"
             )
-        super().__init__(process_group, tie=tie, seed=seed, algorithm=algorithm)
+        super().__init__(
+            process_group,
+            tie=tie,
+            seed=seed,
+            algorithm=algorithm,
+            nonfinite=nonfinite,
+            check_replicas_every=check_replicas_every,
+        )
         self.optimizer = optimizer
+
+    def settings(self) -> dict:
+        optimizer_settings = getattr(self.optimizer, "settings", None)
+        return {**super().settings(), "optimizer": optimizer_settings() if callable(optimizer_settings) else None}
 
 
 def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -77,6 +90,7 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
     grad = bucket.buffer()  # [n] this bucket's flat gradients
     if grad.is_sparse:
         raise ValueError("sign_muon_hook got a sparse gradient bucket; sparse gradients are not supported")
+    state.begin_bucket(bucket)
     opt = state.optimizer
     params, grads = bucket.parameters(), bucket.gradients()  # grads: views into `grad`
     voted = [opt.votes(p) for p in params]
@@ -87,7 +101,7 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
         return state.vote(bucket, grad, out=grad)
     if not any(voted):
         state.advance_pending(drain=bucket.is_last())  # earlier buckets' votes must still finish
-        fut = allreduce_mean(grad, state.process_group, state.stats)
+        fut = allreduce_mean(grad, state.process_group, state.stats, None)  # SignMuon's AdamW path checks
         state.maybe_increase_iter(bucket)
         return fut
     averaged = [g for g, v in zip(grads, voted) if not v]

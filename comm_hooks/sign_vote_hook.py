@@ -24,7 +24,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .collective import ALGORITHMS, TIE_MODES, CommStats, VoteWork, _group_size_rank, majority_vote_async
+from .consistency import check_replicas, check_same_settings
+from .collective import (
+    ALGORITHMS,
+    NONFINITE_ACTIONS,
+    TIE_MODES,
+    CommStats,
+    NonFiniteError,
+    VoteWork,
+    _group_size_rank,
+    majority_vote_async,
+    nonfinite_flag,
+)
 
 __all__ = ["VoteHookState", "SignVoteState", "sign_vote_hook", "allreduce_mean", "allreduce_hook"]
 
@@ -39,6 +50,17 @@ class VoteHookState:
         tie: ``"exact"`` or ``"fast"``; see :func:`signmuon.comm_hooks.majority_vote`.
         seed: base of the tie-break seeds (must match on every rank).
         algorithm: collective algorithm (``"auto"``, ``"two_phase"``, ``"all_gather"``).
+        nonfinite: when any rank's bucket holds NaN or Inf: ``"skip"`` (every rank gets a zero
+            gradient for that bucket, counted in ``stats.skipped``) or ``"raise"`` (every rank
+            raises ``NonFiniteError`` naming the ranks and the bucket). Learnt in the vote's
+            first exchange, so the normal case costs no extra round trip. A rank whose own
+            gradient is non-finite leaves its momentum untouched.
+        check_replicas_every: every this many iterations (0 = never), each bucket's parameters
+            are compared across ranks (a checksum all-gather) before voting; a divergence
+            raises ``ReplicaDivergenceError`` naming the first differing tensor.
+
+    At its first call the hook compares all ranks' settings (one digest all-gather) and
+    raises ``SettingsMismatchError`` on every rank if any differ.
     """
 
     __slots__ = (
@@ -47,9 +69,12 @@ class VoteHookState:
         "tie",
         "seed",
         "algorithm",
+        "nonfinite",
+        "check_replicas_every",
         # internal state
         "iter",
         "pending",
+        "settings_checked",
         # statistics
         "stats",
     )
@@ -61,11 +86,20 @@ class VoteHookState:
         tie: str = "exact",
         seed: int = 0,
         algorithm: str = "auto",
+        nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         if tie not in TIE_MODES:
             raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
+        if nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"nonfinite={nonfinite!r} is not an action; use one of {NONFINITE_ACTIONS}")
+        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
+            raise ValueError(f"check_replicas_every={check_replicas_every!r} must be a non-negative int (0 = never)")
+        self.nonfinite = nonfinite
+        self.check_replicas_every = check_replicas_every
+        self.settings_checked = False
         self.process_group = process_group
         self.tie = tie
         self.seed = int(seed)
@@ -74,6 +108,22 @@ class VoteHookState:
         # Votes of this backward pass still in flight, oldest first: (work, DDP's future, finish).
         self.pending: collections.deque[tuple[VoteWork, torch.futures.Future, Callable | None]] = collections.deque()
         self.stats = CommStats()
+
+    def settings(self) -> dict:
+        """What must be equal on every rank (compared once, at the first hook call)."""
+        return {"hook": type(self).__name__, "tie": self.tie, "seed": self.seed, "algorithm": self.algorithm,
+                "nonfinite": self.nonfinite, "check_replicas_every": self.check_replicas_every}  # fmt: skip
+
+    def begin_bucket(self, bucket: dist.GradBucket) -> None:
+        """Consistency checks at the start of each hook call (collectives on this thread)."""
+        device = bucket.buffer().device
+        if not self.settings_checked:
+            check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
+            self.settings_checked = True
+        if self.check_replicas_every and self.iter % self.check_replicas_every == 0:
+            params = bucket.parameters()
+            names = [f"bucket {bucket.index()} parameter {j} (shape {tuple(p.shape)})" for j, p in enumerate(params)]
+            check_replicas(params, self.process_group, names=names)
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         # The last bucket is reduced last, so the count moves once per synchronised step.
@@ -104,6 +154,8 @@ class VoteHookState:
             out=out,
             stats=self.stats,
             algorithm=self.algorithm,
+            nonfinite=self.nonfinite,
+            label=f"bucket {bucket.index()} (iteration {self.iter})",
         )
         grad = bucket.buffer()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
@@ -139,7 +191,7 @@ class VoteHookState:
 
     # -- checkpointing -------------------------------------------------------------------
 
-    _UNPICKLED = ("process_group", "pending")
+    _UNPICKLED = ("process_group", "pending", "settings_checked")
 
     def _slots(self) -> list[str]:
         return [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
@@ -152,6 +204,7 @@ class VoteHookState:
     def __setstate__(self, state: dict) -> None:
         self.process_group = None
         self.pending = collections.deque()
+        self.settings_checked = False
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)
@@ -193,8 +246,17 @@ class SignVoteState(VoteHookState):
         start_iter: int = 1,
         seed: int = 0,
         algorithm: str = "auto",
+        nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
-        super().__init__(process_group, tie=tie, seed=seed, algorithm=algorithm)
+        super().__init__(
+            process_group,
+            tie=tie,
+            seed=seed,
+            algorithm=algorithm,
+            nonfinite=nonfinite,
+            check_replicas_every=check_replicas_every,
+        )
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum} must be in [0, 1): it is the Signum averaging factor beta")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -207,6 +269,9 @@ class SignVoteState(VoteHookState):
         self.momentum = float(momentum)
         self.start_iter = start_iter
         self.momentum_buffers: dict[int, torch.Tensor] = {}
+
+    def settings(self) -> dict:
+        return {**super().settings(), "momentum": self.momentum, "start_iter": self.start_iter}
 
     def momentum_buffer(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """The bucket's momentum, created at zero (float32 for half-precision gradients)."""
@@ -235,20 +300,38 @@ class SignVoteState(VoteHookState):
 
 
 def allreduce_mean(
-    tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    nonfinite: str | None = "skip",
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default reduction (mean all-reduce, in place) as a future; counts ring bytes."""
+    """DDP's default reduction (mean all-reduce, in place) as a future; counts ring bytes.
+
+    A non-finite mean (identical on every rank) is zeroed and counted in ``stats.skipped``
+    (``nonfinite="skip"``), raises ``NonFiniteError`` (``"raise"``), or is left for the
+    optimizer to handle (``None``).
+    """
     world_size, _ = _group_size_rank(group)
     if stats is not None:
         ring = 2 * (world_size - 1) * tensor.numel() * tensor.element_size() // world_size
         stats.calls += 1
         stats.add(ring, ring)
     tensor.div_(world_size)
+
+    def checked(mean: torch.Tensor) -> torch.Tensor:
+        if nonfinite is not None and bool(nonfinite_flag(mean)):
+            if nonfinite == "raise":
+                raise NonFiniteError("NaN or Inf in the all-reduced gradient (some rank's gradient was non-finite)")
+            mean.zero_()
+            if stats is not None:
+                stats.skipped += 1
+        return mean
+
     if world_size == 1:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(tensor)
+        fut.set_result(checked(tensor))
         return fut
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: checked(f.value()[0]))
 
 
 def allreduce_hook(state: CommStats, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -264,11 +347,14 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     grad = bucket.buffer()  # [n] flat gradients of this bucket
     if grad.is_sparse:
         raise ValueError("sign_vote_hook got a sparse gradient bucket; sparse gradients are not supported")
+    state.begin_bucket(bucket)
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
-        return allreduce_mean(grad, state.process_group, state.stats)
+        return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite)
     voter = grad
-    if state.momentum > 0:
+    # A non-finite gradient is voted as is (its flag makes every rank skip the bucket) and
+    # never enters the momentum.
+    if state.momentum > 0 and not bool(nonfinite_flag(grad)):
         voter = state.momentum_buffer(bucket.index(), grad)
         voter.mul_(state.momentum).add_(grad, alpha=1.0 - state.momentum)
     return state.vote(bucket, voter, out=grad)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from signmuon.comm_hooks import CommStats
+from signmuon.comm_hooks import CommStats, check_same_settings
 
 __all__ = ["DPPFAverager", "local_sgd", "DISTANCES"]
 
@@ -119,6 +119,7 @@ class DPPFAverager(ModelAverager):
         self.mean_distance = float("nan")
         self.max_distance = float("nan")
         self.stats = CommStats()
+        self._settings_checked = False  # compared across ranks at the first call
 
     def is_round(self, step: int | None = None) -> bool:
         """Whether ``step`` (default: the next one) averages."""
@@ -130,9 +131,16 @@ class DPPFAverager(ModelAverager):
 
         As torch's averagers do, only parameters that have a gradient take part.
         """
+        if not self._settings_checked:
+            check_same_settings(self._settings(), self.process_group, what="DPPFAverager settings")
+            self._settings_checked = True
         if self.is_round():
             self._round(averaging_utils.get_params_to_average(params))
         self.step += 1
+
+    def _settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
+                                                        "average_buffers", "track_distances")}  # fmt: skip
 
     @torch.no_grad()
     def _round(self, params: list[torch.Tensor]) -> None:

@@ -33,7 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from signmuon.comm_hooks import TIE_MODES, CommStats, SignMuonHookState, allreduce_mean, majority_vote, sign_muon_hook
+from signmuon.comm_hooks import (
+    NONFINITE_ACTIONS,
+    TIE_MODES,
+    CommStats,
+    NonFiniteError,
+    SignMuonHookState,
+    allreduce_mean,
+    check_same_settings,
+    majority_vote,
+    nonfinite_flag,
+    sign_muon_hook,
+)
 from signmuon.comm_hooks.collective import _group_size_rank
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
@@ -103,6 +114,9 @@ class SignMuon(torch.optim.Optimizer):
         tie, seed: the vote's tie mode and tie-break seed (see ``majority_vote``).
         process_group: ranks that vote (None = WORLD).
         vote_in_step: let ``step()`` vote across ``process_group`` itself (no DDP hook).
+        nonfinite: if any rank's gradient holds NaN or Inf: ``"skip"`` (that step moves no
+            voted entry and no AdamW parameter whose mean gradient is non-finite; counted in
+            ``stats.skipped``; the rank with the bad gradient keeps its momentum) or ``"raise"``.
         checkpoint_all_ranks: make ``state_dict()`` a collective that gathers every rank's
             local momentum into the one dict (so a checkpoint written by rank 0 alone, as
             DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
@@ -131,10 +145,14 @@ class SignMuon(torch.optim.Optimizer):
         seed: int = 0,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
+        nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
     ) -> None:
         if tie not in TIE_MODES:
             raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
+        if nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"nonfinite={nonfinite!r} is not an action; use one of {NONFINITE_ACTIONS}")
+        self.nonfinite = nonfinite
         self.tie = tie
         self.seed = int(seed)
         self.process_group = process_group
@@ -144,6 +162,7 @@ class SignMuon(torch.optim.Optimizer):
         self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
         self._comm_state: SignMuonHookState | None = None
         self._hook_iter_seen = 0
+        self._settings_checked = False  # vote_in_step: compared across ranks at the first step
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
         defaults = dict(
             lr=lr,
@@ -206,6 +225,8 @@ class SignMuon(torch.optim.Optimizer):
         signs of the result matter to the vote.
         """
         group, path = self._route(param)
+        if bool(nonfinite_flag(grad)):
+            return grad  # voted as is: its NaN/Inf flag makes every rank skip; momentum untouched
         beta = group["momentum"]
         buf = self.state[param]["momentum_buffer"]
         if group["coupled_weight_decay"]:
@@ -226,8 +247,12 @@ class SignMuon(torch.optim.Optimizer):
         rms = polar.norm() / math.sqrt(polar.numel())
         return polar.div_(rms.clamp_min(1e-12)).view_as(voted)  # all-zero S stays zero
 
-    @staticmethod
-    def _adamw_update(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    def _adamw_update(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+        if bool(nonfinite_flag(grad)):  # the mean gradient: the same on every rank
+            if self.nonfinite == "raise":
+                raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(param.shape)}")
+            self.stats.skipped += 1
+            return
         lr = group["lr"] if group["adamw_lr"] is None else group["adamw_lr"]
         beta1, beta2 = group["adamw_betas"]
         state["step"] += 1
@@ -238,13 +263,24 @@ class SignMuon(torch.optim.Optimizer):
         param.mul_(1 - lr * group["weight_decay"])
         param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
 
+    def settings(self) -> dict[str, Any]:
+        """What must be equal on every rank: hyperparameters and parameter shapes."""
+        groups = [
+            {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "shapes": [tuple(p.shape) for p in g["params"]]}
+            for g in self.param_groups
+        ]
+        return {"optimizer": type(self).__name__, "tie": self.tie, "seed": self.seed, "nonfinite": self.nonfinite,
+                "vote_in_step": self.vote_in_step, "groups": groups}  # fmt: skip
+
     # -- DDP hook --------------------------------------------------------------------------
 
     @property
     def comm_state(self) -> SignMuonHookState:
         """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
         if self._comm_state is None:
-            self._comm_state = SignMuonHookState(self, self.process_group, tie=self.tie, seed=self.seed)
+            self._comm_state = SignMuonHookState(
+                self, self.process_group, tie=self.tie, seed=self.seed, nonfinite=self.nonfinite
+            )
             self._comm_state.iter = self._hook_iter_seen = self.steps_taken
         return self._comm_state
 
@@ -285,6 +321,10 @@ class SignMuon(torch.optim.Optimizer):
                 f"SignMuon on {world_size} ranks without its communication hook: under DDP call "
                 "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
             )
+        elif world_size > 1 and not self._settings_checked:
+            device = self.param_groups[0]["params"][0].device
+            check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
+            self._settings_checked = True
         entries = [(*self._route(p), p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         entries = [(group, p, path) for group, path, p in entries]
         voted = [(g, p, path) for g, p, path in entries if path != "adamw"]
@@ -311,7 +351,9 @@ class SignMuon(torch.optim.Optimizer):
             return []
         flat = torch.cat([d.reshape(-1) for d in directions])
         seed = self.seed * 1_000_003 + self.steps_taken
-        majority_vote(flat, self.process_group, tie=self.tie, seed=seed, out=flat, stats=self.stats)
+        majority_vote(
+            flat, self.process_group, tie=self.tie, seed=seed, out=flat, stats=self.stats, nonfinite=self.nonfinite
+        )
         return [chunk.view_as(d) for chunk, d in zip(flat.split([d.numel() for d in directions]), directions)]
 
     def _average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -319,7 +361,7 @@ class SignMuon(torch.optim.Optimizer):
         if world_size == 1 or not grads:
             return grads
         flat = torch.cat([g.reshape(-1) for g in grads])
-        allreduce_mean(flat, self.process_group, self.stats).wait()
+        allreduce_mean(flat, self.process_group, self.stats, None).wait()  # _adamw_update skips or raises
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
     # -- checkpointing ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ class SignumMV(SignMuon):
         lr: each entry moves by ``lr`` per step (or 0 where the vote is 0).
         momentum: beta in [0, 1).
         weight_decay: decoupled weight decay.
-        tie, seed, process_group, vote_in_step, checkpoint_all_ranks: as :class:`SignMuon`.
+        tie, seed, process_group, vote_in_step, nonfinite, checkpoint_all_ranks: as :class:`SignMuon`.
     """
 
     _default_use_muon = False
@@ -44,12 +44,14 @@ class SignumMV(SignMuon):
         seed: int = 0,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
+        nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
     ) -> None:
         super().__init__(
             params,
             lr,
             momentum,
+            nonfinite=nonfinite,
             nesterov=False,
             weight_decay=weight_decay,
             non_matrix="signum",
@@ -79,12 +81,14 @@ class SignSGDMV(SignumMV):
         seed: int = 0,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
+        nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
     ) -> None:
         super().__init__(
             params,
             lr,
             0.0,
+            nonfinite=nonfinite,
             weight_decay=weight_decay,
             tie=tie,
             seed=seed,
