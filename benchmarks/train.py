@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
-from signmuon.comm_hooks import CommStats, SignVoteState, allreduce_hook, sign_vote_hook
+from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, allreduce_hook, sign_vote_hook
 from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd
 
 
@@ -39,6 +39,8 @@ class TrainConfig:
     """Model initialisation and data order; equal seeds give equal runs."""
     eval_every: int = 100
     """Steps between evaluations on the held-out split."""
+    byzantine: int = 0
+    """Ranks 0..k-1 send flipped signs to the vote (sign-vote methods; robustness runs)."""
 
 
 def digits_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,11 +81,15 @@ class Setup:
 
 
 # A method turns the freshly initialised network into its Setup.
-Method = Callable[[nn.Module], Setup]
+Method = Callable[[nn.Module, TrainConfig], Setup]
+
+
+def _fault(config: TrainConfig) -> ByzantineFault | None:
+    return ByzantineFault(ranks=tuple(range(config.byzantine))) if config.byzantine else None
 
 
 def _ddp_allreduce(make_opt) -> Method:
-    def build(net: nn.Module) -> Setup:
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = DDP(net)
         stats = CommStats()
         model.register_comm_hook(stats, allreduce_hook)
@@ -93,9 +99,9 @@ def _ddp_allreduce(make_opt) -> Method:
 
 
 def _ddp_sign_vote(momentum: float, lr: float) -> Method:
-    def build(net: nn.Module) -> Setup:
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = DDP(net)
-        state = SignVoteState(momentum=momentum, start_iter=1)
+        state = SignVoteState(momentum=momentum, start_iter=1, fault=_fault(config))
         model.register_comm_hook(state, sign_vote_hook)
         return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), stats=state.stats)
 
@@ -103,8 +109,8 @@ def _ddp_sign_vote(momentum: float, lr: float) -> Method:
 
 
 def _ddp_sign_muon(**options) -> Method:
-    def build(net: nn.Module) -> Setup:
-        opt = SignMuon(net.parameters(), **options)
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        opt = SignMuon(net.parameters(), fault=_fault(config), **options)
         model = DDP(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
@@ -115,7 +121,7 @@ def _ddp_sign_muon(**options) -> Method:
 def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     """Local SGD with momentum; pull=1, push=0 is plain periodic averaging, else DPPF."""
 
-    def build(net: nn.Module) -> Setup:
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = DDP(net)
         averager = DPPFAverager(period, pull=pull, push=push, module=net)
         opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), averager)
@@ -156,7 +162,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         raise ValueError(f"batch_size={config.batch_size} must divide by the world size {world_size}")
     x_train, y_train, x_test, y_test = digits_data(config.seed)
     torch.manual_seed(config.seed)
-    setup = METHODS[method](digits_cnn())
+    setup = METHODS[method](digits_cnn(), config)
     model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
@@ -253,10 +259,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine)
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
         print_table(results)

@@ -19,6 +19,7 @@ from .consistency import (
     check_same_settings,
     settings_digest,
 )
+from .faults import ByzantineFault
 from .packing import (
     pack_planes,
     pack_nonzero,
@@ -35,6 +36,7 @@ from .vote import vote_packed, vote_reference
 
 __all__ = [
     "ALGORITHMS",
+    "ByzantineFault",
     "NONFINITE_ACTIONS",
     "NonFiniteError",
     "ReplicaDivergenceError",

@@ -25,9 +25,12 @@ likely, so the second all-gather usually runs (1.5 bits per entry on the two-pha
 M = 2 all-gather path is unaffected). In ``"fast"`` mode a tie between nonzero voters becomes
 +1 or -1 from a generator seeded from ``seed`` (the same on every rank): each with
 probability 1/2, so the vote stays an unbiased estimate of the tie, and the output stays at
-one bit. ``"exact"`` is the default because it is the definition in the design (and the
-output of one code path does not depend on the world size being odd); choose ``"fast"``
-with an even world size to keep the wire at one bit.
+one bit. The tie bits follow the tensor's layout, so a DDP run resumed from a checkpoint
+(whose first iteration uses DDP's initial buckets) draws different ones: fast mode is
+reproducible within a run, exact mode also across a resume. ``"exact"`` is the default
+because it is the definition in the design (and the output of one code path does not
+depend on the world size being odd); choose ``"fast"`` with an even world size to keep the
+wire at one bit.
 
 Padding: pad bits are set in both planes on every rank, so they vote +1 and can neither
 raise a zero flag nor leak into the result (which is cut to n entries).
@@ -40,6 +43,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .faults import ByzantineFault
 from .packing import pack_planes, packed_size, unpack_signs
 from .vote import vote_packed
 
@@ -179,7 +183,7 @@ class VoteWork:
         "_group", "_world_size", "_rank", "_tie", "_seed", "_stats", "_algorithm", "_nonfinite", "_label",
         "_device", "_out", "_numel", "_words", "_shard", "_positive", "_nonzero",
         "_recv", "_work", "_voted", "_stage", "_skipped",
-    )
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -193,6 +197,7 @@ class VoteWork:
         algorithm: str = "auto",
         nonfinite: str = "skip",
         label: str = "",
+        fault: ByzantineFault | None = None,
     ) -> None:
         _check_inputs(tensor, tie, algorithm, nonfinite)
         if out is None:
@@ -216,6 +221,8 @@ class VoteWork:
         positive, nonzero = pack_planes(tensor)
         self._positive = _padded_words(positive, self._numel, self._words)
         self._nonzero = _padded_words(nonzero, self._numel, self._words)
+        if fault is not None:  # testing only: this rank may be Byzantine
+            self._positive = fault.corrupt(self._positive, self._nonzero, self._rank, seed)
         zero_flag = (~self._nonzero).any().to(torch.int64) * _HAS_ZERO
         zero_flag = zero_flag | nonfinite_flag(tensor).to(device=zero_flag.device, dtype=torch.int64) * _NONFINITE
         self._voted: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -358,6 +365,7 @@ def majority_vote_async(
     algorithm: Literal["auto", "two_phase", "all_gather"] = "auto",
     nonfinite: Literal["skip", "raise"] = "skip",
     label: str = "",
+    fault: ByzantineFault | None = None,
 ) -> VoteWork:
     """Start a vote and return its :class:`VoteWork`; ``.wait()`` gives the voted tensor.
 
@@ -366,8 +374,9 @@ def majority_vote_async(
     tensor in errors (e.g. ``"bucket 3"``).
     """
     return VoteWork(
-        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm, nonfinite=nonfinite, label=label
-    )
+        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm, nonfinite=nonfinite, label=label,
+        fault=fault,
+    )  # fmt: skip
 
 
 def majority_vote(
@@ -380,6 +389,7 @@ def majority_vote(
     stats: CommStats | None = None,
     algorithm: Literal["auto", "two_phase", "all_gather"] = "auto",
     nonfinite: Literal["skip", "raise"] = "skip",
+    fault: ByzantineFault | None = None,
 ) -> torch.Tensor:
     """``sign(sum_i sign(tensor_i))`` over the ranks of ``group`` (None = WORLD), on every rank.
 
@@ -395,10 +405,11 @@ def majority_vote(
         nonfinite: if any rank's tensor holds NaN or Inf, ``"skip"`` returns zeros on every
             rank (counted in ``stats.skipped``) and ``"raise"`` raises :class:`NonFiniteError`
             on every rank; either way decided in the first exchange, with no extra round trip.
+        fault: testing only: a :class:`~signmuon.comm_hooks.faults.ByzantineFault`.
 
     Returns:
         the voted tensor, entries in {-1, 0, +1}, in ``tensor``'s dtype (or ``out``).
     """
     return majority_vote_async(
-        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm, nonfinite=nonfinite
+        tensor, group, tie=tie, seed=seed, out=out, stats=stats, algorithm=algorithm, nonfinite=nonfinite, fault=fault
     ).wait()

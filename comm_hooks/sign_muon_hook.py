@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .collective import _group_size_rank
+from .faults import ByzantineFault
 from .sign_vote_hook import VoteHookState, allreduce_mean
 
 __all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
@@ -55,6 +56,7 @@ class SignMuonHookState(VoteHookState):
         algorithm: str = "auto",
         nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        fault: ByzantineFault | None = None,
     ) -> None:
         if not (callable(getattr(optimizer, "votes", None)) and callable(getattr(optimizer, "local_direction", None))):
             raise TypeError(
@@ -68,6 +70,7 @@ class SignMuonHookState(VoteHookState):
             algorithm=algorithm,
             nonfinite=nonfinite,
             check_replicas_every=check_replicas_every,
+            fault=fault,
         )
         self.optimizer = optimizer
 

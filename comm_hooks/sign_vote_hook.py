@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .consistency import check_replicas, check_same_settings
+from .faults import ByzantineFault
 from .collective import (
     ALGORITHMS,
     NONFINITE_ACTIONS,
@@ -58,6 +59,7 @@ class VoteHookState:
         check_replicas_every: every this many iterations (0 = never), each bucket's parameters
             are compared across ranks (a checksum all-gather) before voting; a divergence
             raises ``ReplicaDivergenceError`` naming the first differing tensor.
+        fault: testing only: a ``ByzantineFault`` making some ranks send wrong signs.
 
     At its first call the hook compares all ranks' settings (one digest all-gather) and
     raises ``SettingsMismatchError`` on every rank if any differ.
@@ -71,6 +73,7 @@ class VoteHookState:
         "algorithm",
         "nonfinite",
         "check_replicas_every",
+        "fault",
         # internal state
         "iter",
         "pending",
@@ -88,6 +91,7 @@ class VoteHookState:
         algorithm: str = "auto",
         nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        fault: ByzantineFault | None = None,
     ) -> None:
         if tie not in TIE_MODES:
             raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
@@ -99,6 +103,7 @@ class VoteHookState:
             raise ValueError(f"check_replicas_every={check_replicas_every!r} must be a non-negative int (0 = never)")
         self.nonfinite = nonfinite
         self.check_replicas_every = check_replicas_every
+        self.fault = fault
         self.settings_checked = False
         self.process_group = process_group
         self.tie = tie
@@ -156,6 +161,7 @@ class VoteHookState:
             algorithm=self.algorithm,
             nonfinite=self.nonfinite,
             label=f"bucket {bucket.index()} (iteration {self.iter})",
+            fault=self.fault,
         )
         grad = bucket.buffer()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
@@ -191,10 +197,14 @@ class VoteHookState:
 
     # -- checkpointing -------------------------------------------------------------------
 
-    _UNPICKLED = ("process_group", "pending", "settings_checked")
+    _UNPICKLED = ("process_group", "pending", "settings_checked", "param_keys")
+
+    @classmethod
+    def _all_slots(cls) -> list[str]:
+        return [slot for klass in cls.__mro__ for slot in getattr(klass, "__slots__", ())]
 
     def _slots(self) -> list[str]:
-        return [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
+        return self._all_slots()
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
@@ -205,6 +215,8 @@ class VoteHookState:
         self.process_group = None
         self.pending = collections.deque()
         self.settings_checked = False
+        if "param_keys" in type(self)._all_slots():
+            self.param_keys = {}
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)
@@ -235,6 +247,9 @@ class SignVoteState(VoteHookState):
         "start_iter",
         # internal state
         "momentum_buffers",
+        "layouts",
+        "param_keys",
+        "unplaced",
     )
 
     def __init__(
@@ -248,6 +263,7 @@ class SignVoteState(VoteHookState):
         algorithm: str = "auto",
         nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        fault: ByzantineFault | None = None,
     ) -> None:
         super().__init__(
             process_group,
@@ -256,6 +272,7 @@ class SignVoteState(VoteHookState):
             algorithm=algorithm,
             nonfinite=nonfinite,
             check_replicas_every=check_replicas_every,
+            fault=fault,
         )
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum} must be in [0, 1): it is the Signum averaging factor beta")
@@ -268,35 +285,73 @@ class SignVoteState(VoteHookState):
             )
         self.momentum = float(momentum)
         self.start_iter = start_iter
-        self.momentum_buffers: dict[int, torch.Tensor] = {}
+        self.momentum_buffers: dict[int, torch.Tensor] = {}  # bucket index -> [n] flat momentum
+        self.layouts: dict[int, tuple[tuple[int, int, int], ...]] = {}  # bucket index -> its layout
+        self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key
+        self.unplaced: dict[int, torch.Tensor] = {}  # key -> momentum not yet in a bucket buffer
 
     def settings(self) -> dict:
         return {**super().settings(), "momentum": self.momentum, "start_iter": self.start_iter}
 
-    def momentum_buffer(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """The bucket's momentum, created at zero (float32 for half-precision gradients)."""
-        buf = self.momentum_buffers.get(index)
-        if buf is None:
+    def _layout(self, bucket: dist.GradBucket) -> tuple[tuple[int, int, int], ...]:
+        """(parameter key, offset, numel) of each parameter in the bucket's flat buffer.
+
+        A parameter's key is its order of first appearance to this state: DDP's first bucket
+        layout is the same in every process of a model, so keys survive a restart even though
+        DDP re-buckets after the first iteration (and a resumed run starts from that first layout).
+        """
+        flat = bucket.buffer()
+        layout = []
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            key = self.param_keys.setdefault(p, len(self.param_keys))
+            layout.append((key, (g.data_ptr() - flat.data_ptr()) // flat.element_size(), g.numel()))
+        return tuple(layout)
+
+    def begin_bucket(self, bucket: dist.GradBucket) -> None:
+        super().begin_bucket(bucket)
+        self._layout(bucket)  # give parameters their keys from the very first layout (warm-up too)
+
+    def _pieces(self) -> dict[int, torch.Tensor]:
+        """Every parameter's momentum, as views into the flat buffers (plus unplaced ones)."""
+        pieces = dict(self.unplaced)
+        for index, buf in self.momentum_buffers.items():
+            for key, offset, numel in self.layouts[index]:
+                pieces[key] = buf[offset : offset + numel]
+        return pieces
+
+    def momentum_buffer(self, bucket: dist.GradBucket, grad: torch.Tensor) -> torch.Tensor:
+        """The bucket's flat momentum, zero at first (float32 for half-precision gradients).
+
+        Kept per bucket for speed, but moved parameter by parameter when DDP re-buckets.
+        """
+        index, layout = bucket.index(), self._layout(bucket)
+        if self.layouts.get(index) != layout:
+            if self.momentum_buffers:  # a new layout: release every bucket's momentum per parameter
+                self.unplaced = self._pieces()
+                self.momentum_buffers, self.layouts = {}, {}
             dtype = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
             buf = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
-            self.momentum_buffers[index] = buf
-        elif buf.shape != grad.shape:
-            raise RuntimeError(
-                f"bucket {index} holds {grad.numel()} entries but its momentum buffer {buf.numel()}: DDP's "
-                "buckets changed after voting started (raise start_iter past DDP's bucket rebuild)"
-            )
-        return buf
+            for key, offset, numel in layout:
+                piece = self.unplaced.pop(key, None)
+                if piece is not None:
+                    buf[offset : offset + numel] = piece.reshape(-1)
+            self.momentum_buffers[index], self.layouts[index] = buf, layout
+        return self.momentum_buffers[index]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # Per parameter, like state_dict: parameter keys, not bucket layouts, survive a restart.
+        state.update(momentum_buffers={}, layouts={}, unplaced=self._pieces())
+        return state
 
     def state_dict(self) -> dict:
-        """Iteration count, momentum buffers and statistics (tensors are cloned)."""
-        return {
-            **super().state_dict(),
-            "momentum_buffers": {k: v.detach().clone() for k, v in self.momentum_buffers.items()},
-        }
+        """Iteration count, momentum per parameter (cloned) and statistics."""
+        return {**super().state_dict(), "momentum": {k: v.detach().clone() for k, v in self._pieces().items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self.momentum_buffers = {int(k): v.detach().clone() for k, v in state_dict["momentum_buffers"].items()}
+        self.momentum_buffers, self.layouts = {}, {}
+        self.unplaced = {int(k): v.detach().clone() for k, v in state_dict["momentum"].items()}
 
 
 def allreduce_mean(
@@ -355,6 +410,6 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     # A non-finite gradient is voted as is (its flag makes every rank skip the bucket) and
     # never enters the momentum.
     if state.momentum > 0 and not bool(nonfinite_flag(grad)):
-        voter = state.momentum_buffer(bucket.index(), grad)
+        voter = state.momentum_buffer(bucket, grad)
         voter.mul_(state.momentum).add_(grad, alpha=1.0 - state.momentum)
     return state.vote(bucket, voter, out=grad)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks import (
     NONFINITE_ACTIONS,
+    ByzantineFault,
     TIE_MODES,
     CommStats,
     NonFiniteError,
@@ -121,6 +122,7 @@ class SignMuon(torch.optim.Optimizer):
             local momentum into the one dict (so a checkpoint written by rank 0 alone, as
             DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
             rank's part). Off by default: then each rank saves its own ``state_dict()``.
+        fault: testing only: a ``ByzantineFault`` making some ranks send wrong signs.
     """
 
     _default_use_muon: bool | None = None  # param groups' default: None decides by shape
@@ -147,12 +149,14 @@ class SignMuon(torch.optim.Optimizer):
         vote_in_step: bool = False,
         nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
+        fault: ByzantineFault | None = None,
     ) -> None:
         if tie not in TIE_MODES:
             raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
         if nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"nonfinite={nonfinite!r} is not an action; use one of {NONFINITE_ACTIONS}")
         self.nonfinite = nonfinite
+        self.fault = fault
         self.tie = tie
         self.seed = int(seed)
         self.process_group = process_group
@@ -279,7 +283,7 @@ class SignMuon(torch.optim.Optimizer):
         """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
         if self._comm_state is None:
             self._comm_state = SignMuonHookState(
-                self, self.process_group, tie=self.tie, seed=self.seed, nonfinite=self.nonfinite
+                self, self.process_group, tie=self.tie, seed=self.seed, nonfinite=self.nonfinite, fault=self.fault
             )
             self._comm_state.iter = self._hook_iter_seen = self.steps_taken
         return self._comm_state
@@ -352,7 +356,14 @@ class SignMuon(torch.optim.Optimizer):
         flat = torch.cat([d.reshape(-1) for d in directions])
         seed = self.seed * 1_000_003 + self.steps_taken
         majority_vote(
-            flat, self.process_group, tie=self.tie, seed=seed, out=flat, stats=self.stats, nonfinite=self.nonfinite
+            flat,
+            self.process_group,
+            tie=self.tie,
+            seed=seed,
+            out=flat,
+            stats=self.stats,
+            nonfinite=self.nonfinite,
+            fault=self.fault,
         )
         return [chunk.view_as(d) for chunk, d in zip(flat.split([d.numel() for d in directions]), directions)]
 

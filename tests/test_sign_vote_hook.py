@@ -116,27 +116,27 @@ def test_ddp_hook_matches_simulation(world_size):
 def test_state_pickles_without_process_group():
     state = SignVoteState(momentum=0.5, tie="fast", start_iter=3, seed=11)
     state.iter = 9
-    state.momentum_buffers[0] = torch.arange(5.0)
+    state.unplaced[0] = torch.arange(5.0)  # momentum of the parameter with key 0
     state.stats.add(100, 200)
     restored = pickle.loads(pickle.dumps(state))
     assert restored.process_group is None
     assert (restored.momentum, restored.tie, restored.start_iter, restored.seed, restored.iter) == (0.5, "fast", 3, 11, 9)
-    assert torch.equal(restored.momentum_buffers[0], torch.arange(5.0))
+    assert torch.equal(restored.unplaced[0], torch.arange(5.0))
     assert (restored.stats.bytes_sent, restored.stats.bytes_received) == (100, 200)
 
 
 def test_state_dict_round_trip():
     state = SignVoteState(momentum=0.9, start_iter=1)
     state.iter = 4
-    state.momentum_buffers = {0: torch.randn(10), 1: torch.randn(3)}
+    state.unplaced = {0: torch.randn(10), 1: torch.randn(3)}
     state.stats.add(7, 8)
     saved = state.state_dict()
-    state.momentum_buffers[0].zero_()  # the saved copy must not alias live buffers
+    state.unplaced[0].zero_()  # the saved copy must not alias live buffers
     other = SignVoteState(momentum=0.9, start_iter=1)
     other.load_state_dict(saved)
     assert other.iter == 4 and other.stats.bytes_sent == 7
-    assert torch.equal(other.momentum_buffers[1], saved["momentum_buffers"][1])
-    assert not torch.equal(other.momentum_buffers[0], state.momentum_buffers[0])
+    assert torch.equal(other.unplaced[1], saved["momentum"][1])
+    assert not torch.equal(other.unplaced[0], state.unplaced[0])
 
 
 @pytest.mark.parametrize(
