@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from signmuon.comm_hooks import nonfinite_flag, pack_planes, unpack_signs, vote_packed
+from signmuon.comm_hooks import pack_planes, pack_planes_checked, unpack_signs, vote_packed
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -59,7 +59,7 @@ def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5)
     result = {
         "memcpy": _median_time(lambda: copy_out.copy_(x), repeats, device),
         # What each rank does to its own gradient: both planes and the NaN/Inf check.
-        "pack": _median_time(lambda: (pack_planes(x), nonfinite_flag(x)), repeats, device),
+        "pack": _median_time(lambda: pack_planes_checked(x), repeats, device),
         "vote": _median_time(lambda: vote_packed(planes), repeats, device),
         "unpack": _median_time(lambda: unpack_signs(packed, numel, out=unpack_out), repeats, device),
     }

@@ -22,6 +22,7 @@ from .consistency import (
 from .faults import ByzantineFault
 from .packing import (
     pack_planes,
+    pack_planes_checked,
     pack_nonzero,
     pack_nonzero_reference,
     pack_signs,
@@ -53,6 +54,7 @@ __all__ = [
     "check_replicas",
     "check_same_settings",
     "pack_planes",
+    "pack_planes_checked",
     "majority_vote",
     "majority_vote_async",
     "nonfinite_flag",

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import ByzantineFault
-from .packing import pack_planes, packed_size, unpack_signs
+from .packing import pack_planes_checked, packed_size, unpack_signs
 from .vote import vote_packed
 
 __all__ = ["CommStats", "NonFiniteError", "VoteWork", "majority_vote", "NONFINITE_ACTIONS", "majority_vote_async", "vote_bytes_per_rank", "TIE_MODES", "ALGORITHMS"]
@@ -136,13 +136,15 @@ def _with_header(flags: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor: does ``tensor`` hold NaN or ±Inf? One summing pass, no CUDA sync.
+    """0-d bool tensor: does ``tensor`` hold NaN or ±Inf?
 
-    A float64 sum of fp32/fp16/bf16 values cannot overflow, so it is finite exactly when
-    every entry is; only float64 input needs the entry-wise check when its sum overflows.
+    One summing pass (about half a memcpy): a sum is finite when every entry is, and an
+    infinite sum of finite entries (overflow) is rare enough to settle with the entry-wise
+    check only then. fp16 sums in float32, whose range its values cannot overflow.
     """
-    bad = ~torch.isfinite(tensor.sum(dtype=torch.float64))
-    if tensor.dtype == torch.float64 and bool(bad):
+    total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
+    bad = ~torch.isfinite(total)
+    if bool(bad):
         bad = ~torch.isfinite(tensor).all()
     return bad
 
@@ -218,13 +220,13 @@ class VoteWork:
 
         # Pack both planes in one pass: [W] int64 each. The nonzero plane only travels if some
         # rank has a zero; the flag stays a tensor (no CUDA sync here).
-        positive, nonzero = pack_planes(tensor)
+        positive, nonzero, nonfinite_input = pack_planes_checked(tensor)
         self._positive = _padded_words(positive, self._numel, self._words)
         self._nonzero = _padded_words(nonzero, self._numel, self._words)
         if fault is not None:  # testing only: this rank may be Byzantine
             self._positive = fault.corrupt(self._positive, self._nonzero, self._rank, seed)
         zero_flag = (~self._nonzero).any().to(torch.int64) * _HAS_ZERO
-        zero_flag = zero_flag | nonfinite_flag(tensor).to(device=zero_flag.device, dtype=torch.int64) * _NONFINITE
+        zero_flag = zero_flag | nonfinite_input.to(device=zero_flag.device, dtype=torch.int64) * _NONFINITE
         self._voted: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stage = 0
         M, S = self._world_size, self._shard

@@ -26,6 +26,7 @@ __all__ = [
     "pack_signs",
     "pack_nonzero",
     "pack_planes",
+    "pack_planes_checked",
     "unpack_signs",
     "pack_signs_reference",
     "pack_nonzero_reference",
@@ -72,11 +73,13 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
 _CHUNK = 1 << 15
 
 
-def _pack_numpy(xn: np.ndarray, predicates) -> list[torch.Tensor]:
-    """One plane per predicate (``np.greater`` / ``np.not_equal`` against 0), chunk by chunk."""
+def _pack_numpy(xn: np.ndarray, predicates, check_finite: bool = False) -> tuple[list[torch.Tensor], bool]:
+    """One plane per predicate (``np.greater`` / ``np.not_equal`` against 0), chunk by chunk,
+    and (with ``check_finite``) whether every entry is finite, from each cached chunk's sum."""
     n = xn.size
     planes = [np.empty(packed_size(n), dtype=np.uint8) for _ in predicates]
     mask = np.empty(min(n, _CHUNK), dtype=np.bool_)
+    finite = True
     for start in range(0, n, _CHUNK):
         chunk = xn[start : start + _CHUNK]
         m = mask[: chunk.size]
@@ -84,16 +87,33 @@ def _pack_numpy(xn: np.ndarray, predicates) -> list[torch.Tensor]:
         for plane, predicate in zip(planes, predicates):
             predicate(chunk, 0, out=m)
             plane[first : first + packed_size(chunk.size)] = np.packbits(m, bitorder="little")
-    return [torch.from_numpy(plane) for plane in planes]
+        if check_finite and finite:
+            # A chunk's sum is finite when its entries are; overflow is settled entry-wise.
+            with np.errstate(over="ignore", invalid="ignore"):
+                total = chunk.sum(dtype=np.float32 if chunk.dtype == np.float16 else None)
+            finite = bool(np.isfinite(total)) or bool(np.isfinite(chunk).all())
+    return [torch.from_numpy(plane) for plane in planes], finite
 
 
 def _pack(x: torch.Tensor, positive: bool, nonzero: bool) -> list[torch.Tensor]:
     x = _check_float(x)
     if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS:
         predicates = [np.greater] * positive + [np.not_equal] * nonzero
-        return _pack_numpy(x.numpy(), predicates)
+        return _pack_numpy(x.numpy(), predicates)[0]
     # Device-agnostic path (CUDA; bfloat16 on CPU).
     return [_bits_to_bytes(x > 0)] * positive + [_bits_to_bytes(x != 0)] * nonzero
+
+
+def pack_planes_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positive, nonzero, nonfinite)``: both planes and a 0-d bool "holds NaN or Inf",
+    in one pass over ``x`` on CPU (what each rank does to its gradient before a vote)."""
+    x = _check_float(x)
+    if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS:
+        (positive, nonzero), finite = _pack_numpy(x.numpy(), [np.greater, np.not_equal], check_finite=True)
+        return positive, nonzero, torch.tensor(not finite)
+    from .collective import nonfinite_flag  # the device-agnostic check
+
+    return _bits_to_bytes(x > 0), _bits_to_bytes(x != 0), nonfinite_flag(x)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

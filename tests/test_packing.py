@@ -5,6 +5,7 @@ import torch
 
 from signmuon.comm_hooks import (
     pack_planes,
+    pack_planes_checked,
     pack_nonzero,
     pack_nonzero_reference,
     pack_signs,
@@ -101,3 +102,19 @@ def test_pack_across_chunk_boundaries(n):
     positive, nonzero = pack_planes(x)
     assert torch.equal(positive, pack_signs_reference(x))
     assert torch.equal(nonzero, pack_nonzero_reference(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_checked_pack_flags_nonfinite(dtype, bad):
+    x = _ternary_input(3 * _CHUNK + 5, dtype, seed=1)
+    if bad is not None:
+        x[2 * _CHUNK + 3] = bad
+    positive, nonzero, nonfinite = pack_planes_checked(x)
+    assert torch.equal(positive, pack_signs(x)) and torch.equal(nonzero, pack_nonzero(x))
+    assert bool(nonfinite) == (bad is not None)
+
+
+def test_checked_pack_large_finite_values_are_not_flagged():
+    assert not bool(pack_planes_checked(torch.full((1000,), 3e38))[2])  # the float32 sum overflows
+    assert not bool(pack_planes_checked(torch.full((1000,), 60000.0, dtype=torch.float16))[2])
