@@ -14,10 +14,10 @@ import sys
 
 
 def demo(argv: list[str]) -> None:
-    """4 local gloo ranks on digits: fp32 all-reduce + AdamW against the 1-bit votes."""
+    """4 local gloo ranks on digits: DDP+AdamW against Signum-MV, SignMuon and DPPF."""
     from signmuon.benchmarks import train
 
-    train.main(["--world-size", "4", "--steps", "300", "--methods", "adamw", "signsgd_mv", "signum_mv", *argv])
+    train.main(["--world-size", "4", "--steps", "300", "--methods", "adamw", "signum_mv", "signmuon", "dppf_8", *argv])
 
 
 def main(argv: list[str] | None = None) -> None:
