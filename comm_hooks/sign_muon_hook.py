@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .collective import _group_size_rank
 from .faults import ByzantineFault
 from .sign_vote_hook import VoteHookState, allreduce_mean
 
@@ -107,20 +106,15 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
         fut = allreduce_mean(grad, state.process_group, state.stats, None)  # SignMuon's AdamW path checks
         state.maybe_increase_iter(bucket)
         return fut
+    # A bucket mixing both kinds: vote one part, all-reduce the other, both issued now.
     averaged = [g for g, v in zip(grads, voted) if not v]
     flat_avg = torch.cat([g.reshape(-1) for g in averaged])
-    # A bucket mixing both kinds: vote one part, all-reduce the other, both issued now.
-    world_size, _ = _group_size_rank(state.process_group)
-    flat_avg.div_(world_size)
-    ring = 2 * (world_size - 1) * flat_avg.numel() * flat_avg.element_size() // world_size
-    state.stats.add(ring, ring)
-    avg_work = dist.all_reduce(flat_avg, group=state.process_group, async_op=True) if world_size > 1 else None
+    avg_fut = allreduce_mean(flat_avg, state.process_group, state.stats, None)  # in place
     voters = [g for g, v in zip(grads, voted) if v]
     flat_vote = torch.cat([g.reshape(-1) for g in voters])
 
     def finish(vote: torch.Tensor) -> torch.Tensor:
-        if avg_work is not None:
-            avg_work.wait()
+        avg_fut.wait()
         for part, flat in ((voters, vote), (averaged, flat_avg)):
             offset = 0
             for g in part:
