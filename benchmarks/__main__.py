@@ -4,6 +4,7 @@ Commands:
   demo       the README's main job: 4 local ranks on digits, methods side by side
   train      the training benchmark (accuracy, bytes per rank, step time)
   kernels    pack / vote / unpack time as ratios to memcpy
+  bandwidth  message sizes x reduction methods: time, bytes per rank, algbw/busbw, speed-up
   ddp-step   DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote
   deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
 """
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         from signmuon.benchmarks import train
 
         train.main(rest)
+    elif command == "bandwidth":
+        from signmuon.benchmarks import bandwidth
+
+        bandwidth.main(rest)
     elif command == "kernels":
         from signmuon.benchmarks import kernels
 

@@ -29,7 +29,7 @@ def scaled_sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fed back into the next call.
     """
     scale = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
-    signs = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+    signs = x.ge(0).to(x.dtype).mul_(2).sub_(1)  # +1 / -1, with sign(0) = +1
     return scale, signs
 
 

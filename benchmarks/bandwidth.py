@@ -1,0 +1,229 @@
+"""Collective bandwidth: message sizes x gradient-reduction methods, as nccl-tests reports it.
+
+For each size (entries of an fp32 gradient) and method: ``--warmup`` untimed calls, then
+``--iters`` timed ones; each call's time is the max over ranks (a collective is as slow as
+its slowest rank); we report median / p10 / p90, the algorithmic bytes one rank sends, algbw
+(fp32 message bytes / time) and busbw (algbw * 2(M-1)/M, nccl-tests' all-reduce convention,
+so every method is compared against moving the full fp32 gradient), and the speed-up over
+the fp32 all-reduce of the same size measured in the same run.
+
+    signmuon-bench bandwidth --world-size 4 --sizes 1K 64K 1M 16M
+    torchrun --nnodes 2 --nproc-per-node 8 -m signmuon.benchmarks.bandwidth --sizes 1M 256M
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from signmuon.benchmarks.kernels import parse_size
+from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
+from signmuon.comm_hooks import CommStats, majority_vote, vote_bytes_per_rank
+from signmuon.integrations.deepspeed import SignCompressedBackend
+
+METHODS = (
+    "fp32_allreduce",
+    "bf16_allreduce",
+    "int8_sum_allreduce",
+    "allgather_1bit",
+    "vote_exact",
+    "vote_fast",
+    "powersgd_r1",
+    "powersgd_r4",
+    "ef_1bit",
+)
+
+
+def _ring(world_size: int, nbytes: int) -> int:
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def _matrix_shape(numel: int) -> tuple[int, int]:
+    rows = max(1, int(math.sqrt(numel)))
+    return rows, -(-numel // rows)
+
+
+def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callable[[], None], int]:
+    """(one call of ``method`` on ``grad``, algorithmic bytes this rank sends per call)."""
+    n = grad.numel()
+    if method == "fp32_allreduce":
+        buf = grad.clone()
+        return (lambda: dist.all_reduce(buf)), _ring(world_size, 4 * n)
+    if method == "bf16_allreduce":
+        buf = grad.to(torch.bfloat16)
+        return (lambda: dist.all_reduce(buf)), _ring(world_size, 2 * n)
+    if method == "int8_sum_allreduce":  # the SignMuon paper's vote: int8 signs summed
+        signs = torch.sign(grad).to(torch.int8)
+        buf = signs.clone()
+        return (lambda: (buf.copy_(signs), dist.all_reduce(buf))), _ring(world_size, n)
+    if method in ("allgather_1bit", "vote_exact", "vote_fast"):
+        algorithm = "all_gather" if method == "allgather_1bit" else "two_phase"
+        tie = "fast" if method == "vote_fast" else "exact"
+        out = torch.empty_like(grad)
+        stats = CommStats()
+        call = lambda: majority_vote(grad, tie=tie, out=out, stats=stats, algorithm=algorithm)  # noqa: E731
+        return call, vote_bytes_per_rank(n, world_size, algorithm)
+    if method.startswith("powersgd_r"):
+        rank = int(method.removeprefix("powersgd_r"))
+        rows, cols = _matrix_shape(n)
+        matrix = torch.zeros(rows * cols)
+        matrix[:n] = grad
+        matrix = matrix.view(rows, cols)
+        q = torch.randn(cols, rank, generator=torch.Generator().manual_seed(0))
+
+        def powersgd():  # PowerSGD's two all-reduces: P = M Q, orthogonalise, Q = M^T P
+            p = matrix @ q
+            dist.all_reduce(p)
+            p_orth, _ = torch.linalg.qr(p)
+            q_new = matrix.T @ p_orth
+            dist.all_reduce(q_new)
+            return p_orth @ q_new.T
+
+        return powersgd, _ring(world_size, 4 * rank * (rows + cols))
+    if method == "ef_1bit":
+        backend = SignCompressedBackend()
+        padded = -(-n // (8 * world_size)) * 8 * world_size
+        worker_error, server_error = torch.zeros(padded), torch.zeros(padded // world_size)
+        buf = grad.clone()
+        call = lambda: backend.compressed_allreduce(buf.copy_(grad), worker_error, server_error)  # noqa: E731
+        chunk = padded // world_size
+        return call, 2 * (world_size - 1) * (chunk // 8 + 4)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    progress = None
+    total = len(args.sizes) * len(args.methods)
+    if rank == 0 and args.progress:
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(total=total, desc="bandwidth", leave=False)
+        except ImportError:
+            progress = None
+    rows = []
+    for size in args.sizes:
+        numel = parse_size(size)
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        for method in args.methods:
+            try:
+                call, sent = make_call(method, grad, world_size)
+                for _ in range(args.warmup):
+                    call()
+                times = []
+                for _ in range(args.iters):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    call()
+                    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    times.append(elapsed.item())
+                times.sort()
+                median = statistics.median(times)
+                row = {
+                    "method": method, "numel": numel, "world_size": world_size, "bytes_per_rank": sent,
+                    "median_s": median, "p10_s": times[int(0.1 * (len(times) - 1))],
+                    "p90_s": times[int(math.ceil(0.9 * (len(times) - 1)))],
+                    "algbw_GBps": 4 * numel / median / 1e9,
+                    "busbw_GBps": 4 * numel / median / 1e9 * 2 * (world_size - 1) / world_size,
+                }  # fmt: skip
+            except RuntimeError as error:  # e.g. a dtype the backend does not reduce
+                row = {"method": method, "numel": numel, "world_size": world_size, "error": str(error).splitlines()[0][:120]}
+            rows.append(row)
+            if progress is not None:
+                progress.update()
+    if progress is not None:
+        progress.close()
+    for row in rows:
+        base = next(r for r in rows if r["numel"] == row["numel"] and r["method"] == "fp32_allreduce")
+        if "error" not in row and "error" not in base:
+            row["speedup_vs_fp32"] = base["median_s"] / row["median_s"]
+            row["bytes_vs_fp32"] = row["bytes_per_rank"] / base["bytes_per_rank"]
+    return rows
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"world_size={rows[0]['world_size']} backend={args.backend_name} torch={torch.__version__}")
+    print(f"{'entries':>10} {'method':>18} {'median ms':>10} {'p10':>8} {'p90':>8} {'KB/rank':>10} {'algbw GB/s':>10} "
+          f"{'busbw':>8} {'speedup':>8}")  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            print(f"{r['numel']:>10} {r['method']:>18}  unsupported: {r['error']}")
+            continue
+        print(
+            f"{r['numel']:>10} {r['method']:>18} {r['median_s'] * 1e3:>10.3f} {r['p10_s'] * 1e3:>8.3f} "
+            f"{r['p90_s'] * 1e3:>8.3f} {r['bytes_per_rank'] / 1e3:>10.1f} {r['algbw_GBps']:>10.3f} "
+            f"{r['busbw_GBps']:>8.3f} {r.get('speedup_vs_fp32', float('nan')):>8.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.csv:
+        fields = sorted({k for r in rows for k in r})
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Time vs message size, log-log, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = [(r["numel"], r["median_s"] * 1e3) for r in rows if r["method"] == method and "error" not in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=method)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("gradient entries (fp32)")
+    ax.set_ylabel("time per call, ms (max over ranks, median)")
+    ax.set_title(f"gradient reduction, {rows[0]['world_size']} ranks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
+    parser.add_argument("--sizes", nargs="+", default=["1K", "16K", "256K", "4M", "16M"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--csv", help="write the rows to this CSV file")
+    parser.add_argument("--plot", help="write a PNG plot (needs matplotlib: the bench extra)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    args = parser.parse_args(argv)
+    if under_torchrun():
+        rows = run_torchrun(_worker, args)
+        args.backend_name = "torchrun"
+        if os.environ["RANK"] == "0":
+            report(rows, args)
+        return rows
+    args.backend_name = "gloo"
+    rows = run_distributed(_worker, args.world_size, args, timeout=3600)[0]
+    report(rows, args)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
