@@ -10,6 +10,7 @@ CNN, a fixed 80/20 split. Each step every rank draws its own slice of the global
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import os
@@ -148,12 +149,13 @@ METHODS: dict[str, Method] = {
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) on a held-out split, in evaluation mode."""
     was_training = model.training
     model.eval()
-    correct = (model(x).argmax(dim=1) == y).sum().item()
+    logits = model(x)
     model.train(was_training)
-    return correct / len(y)
+    return (logits.argmax(dim=1) == y).float().mean().item(), nn.functional.cross_entropy(logits, y).item()
 
 
 def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -> dict:
@@ -167,6 +169,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
     log, step_times = [], []
+    wall_start = time.perf_counter()
     for step in range(config.steps):
         batch = torch.randint(0, len(y_train), (config.batch_size,), generator=data_gen)
         mine = batch[rank * per_rank : (rank + 1) * per_rank]
@@ -177,15 +180,17 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         opt.step()
         step_times.append(time.perf_counter() - start)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            entry = {"step": step + 1, "loss": loss.item(), "test_acc": accuracy(model, x_test, y_test)}
+            acc, test_loss = evaluate(model, x_test, y_test)
+            entry = {"step": step + 1, "time_s": time.perf_counter() - wall_start, "bytes": setup.stats.bytes_sent,
+                     "train_loss": loss.item(), "test_loss": test_loss, "test_acc": acc}  # fmt: skip
             if setup.averager is not None:
                 # Workers differ between rounds: report the consensus and the mean worker.
-                worker_acc = torch.tensor([entry["test_acc"]], dtype=torch.float64)
+                worker_acc = torch.tensor([acc], dtype=torch.float64)
                 dist.all_reduce(worker_acc)
                 entry["worker_acc"] = worker_acc.item() / world_size
                 consensus = digits_cnn()
                 consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
-                entry["test_acc"] = accuracy(consensus, x_test, y_test)
+                entry["test_acc"], entry["test_loss"] = evaluate(consensus, x_test, y_test)
             log.append(entry)
     result = {
         "method": method,
@@ -204,6 +209,40 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         result["rounds"] = config.steps  # gradient communication every step
         result["final_state"] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     return result
+
+
+def write_curves(results: list[dict], csv_path: str | None = None, png_path: str | None = None) -> None:
+    """Every evaluation of every method as CSV rows, and test loss vs step / bytes / time as PNG."""
+    if csv_path:
+        fields = ["method", "step", "time_s", "bytes", "train_loss", "test_loss", "test_acc", "worker_acc"]
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            for r in results:
+                for entry in r["log"]:
+                    writer.writerow({"method": r["method"], **entry})
+    if png_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+        for r in results:
+            log = r["log"]
+            loss = [e["test_loss"] for e in log]
+            axes[0].plot([e["step"] for e in log], loss, marker=".", label=r["method"])
+            axes[1].plot([max(e["bytes"], 1) / 1e6 for e in log], loss, marker=".")
+            axes[2].plot([e["time_s"] for e in log], loss, marker=".")
+        for ax, label in zip(axes, ("step", "MB sent per rank", "wall time, s")):
+            ax.set_xlabel(label)
+            ax.grid(True, alpha=0.3)
+        axes[1].set_xscale("log")
+        axes[0].set_ylabel("test loss")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)
 
 
 def valley_of(state: dict[str, torch.Tensor], config: TrainConfig, directions: int = 10) -> float:
@@ -257,19 +296,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {sorted(METHODS)}")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
+    parser.add_argument("--plot", help="write test loss vs step / bytes / time as a PNG")
     args = parser.parse_args(argv)
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine)
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine, eval_every=args.eval_every
+    )
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
         print_table(results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([{k: v for k, v in r.items() if k != "final_state"} for r in results], f, indent=1)
+        write_curves(results, args.csv, args.plot)
     return results
 
 

@@ -21,3 +21,19 @@ def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
     assert (tmp_path / "bw.csv").read_text().count("\n") == len(rows) + 1
     assert (tmp_path / "bw.png").read_bytes()[:4] == b"\x89PNG"
     assert "vote_exact" in capsys.readouterr().out
+
+
+def test_train_writes_curves_and_is_repeatable(tmp_path):
+    from signmuon.benchmarks import train
+
+    argv = ["--world-size", "2", "--steps", "40", "--eval-every", "20", "--methods", "adamw", "signum_mv",
+            "--csv", str(tmp_path / "curves.csv"), "--plot", str(tmp_path / "curves.png")]  # fmt: skip
+    first = train.main(argv)
+    second = train.main(argv[:-4])
+    for a, b in zip(first, second):
+        assert [e["test_loss"] for e in a["log"]] == [e["test_loss"] for e in b["log"]], "seeded runs repeat"
+    rows = (tmp_path / "curves.csv").read_text().splitlines()
+    assert rows[0].startswith("method,step,time_s,bytes") and len(rows) == 1 + 2 * 2
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    adamw, signum = first
+    assert signum["log"][-1]["bytes"] < adamw["log"][-1]["bytes"] / 5
