@@ -7,6 +7,7 @@ Commands:
   bandwidth  message sizes x reduction methods: time, bytes per rank, algbw/busbw, speed-up
   ddp-step   DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote
   deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
+  ns-time    Newton–Schulz time per matrix size (what SignMuon adds to a step)
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         from signmuon.benchmarks import bandwidth
 
         bandwidth.main(rest)
+    elif command == "ns-time":
+        from signmuon.benchmarks import ns_time
+
+        ns_time.main(rest)
     elif command == "kernels":
         from signmuon.benchmarks import kernels
 

@@ -1,0 +1,55 @@
+"""Newton–Schulz time per matrix size: the compute SignMuon adds to each step (twice with
+the post-vote polar step), in the dtype it runs in on that device.
+
+    python -m signmuon.benchmarks.ns_time --sizes 512 1024 2048 4096 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from signmuon.optim import newton_schulz
+
+
+def measure(size: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
+    """Median seconds of one ``newton_schulz`` call on a [size, size] matrix."""
+    x = torch.randn(size, size, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    newton_schulz(x, steps, dtype=dtype)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        newton_schulz(x, steps, dtype=dtype)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1024])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16 / float32 (default: bf16 on CUDA, fp32 else)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    print(f"device={device} dtype={dtype} ns_steps={args.steps} torch={torch.__version__}")
+    print(f"{'size':>6} {'ms':>9} {'TFLOP/s':>8}")
+    rows = []
+    for size in args.sizes:
+        seconds = measure(size, device, dtype, args.steps, args.repeats)
+        flops = args.steps * 3 * 2 * size**3  # three size^3 matmuls per iteration
+        rows.append({"size": size, "seconds": seconds, "tflops": flops / seconds / 1e12})
+        print(f"{size:>6} {seconds * 1e3:>9.3f} {flops / seconds / 1e12:>8.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
