@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a single NVIDIA GPU (under 8 minutes):
-# kernel throughput vs memcpy on CUDA and Newton–Schulz time per size in bf16.
+# kernel throughput vs memcpy on CUDA, Newton–Schulz time per size in bf16, and
+# single-GPU charlm throughput (step time) of SignMuon against AdamW.
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,12 @@ report="$out/$(date +%F)-gpu-check.md"
   echo "## Newton–Schulz, bf16, 5 steps"
   echo '```'
   timeout 180 "$python" -m signmuon.benchmarks.ns_time --device cuda --sizes 512 1024 2048 4096 8192
+  echo '```'
+  echo
+  echo "## charlm, one rank (gloo, CPU tensors): SignMuon vs AdamW step time and perplexity"
+  echo '```'
+  timeout 120 "$python" -m signmuon.benchmarks.train --task charlm --world-size 1 --steps 200 --eval-every 200 \
+    --methods adamw signmuon
   echo '```'
 } | tee "$report"
 echo "report: $report"

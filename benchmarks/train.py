@@ -1,7 +1,8 @@
 """Data-parallel training benchmark: accuracy, bytes sent per rank and step time per method.
 
-Task ``digits``: scikit-learn's 8x8 digits (ships with scikit-learn, no download), a small
-CNN, a fixed 80/20 split. Each step every rank draws its own slice of the global batch.
+Tasks (see ``tasks.py``): ``digits`` (scikit-learn's digits, a small CNN), ``charlm`` (a
+small GPT on the standard library's source), ``cifar10`` (ResNet-18, from ``--data-dir``).
+Each step every rank draws its own slice of the global batch.
 
     python -m signmuon.benchmarks.train --world-size 4 --methods adamw signsgd_mv signum_mv
     torchrun --nproc-per-node 4 -m signmuon.benchmarks.train
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, allreduce_hook, sign_vote_hook
+from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
 from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd
 
 
@@ -42,29 +44,10 @@ class TrainConfig:
     """Steps between evaluations on the held-out split."""
     byzantine: int = 0
     """Ranks 0..k-1 send flipped signs to the vote (sign-vote methods; robustness runs)."""
-
-
-def digits_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train [N,1,8,8], y_train, x_test, y_test) from scikit-learn's digits, scaled to [0, 1]."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:  # pragma: no cover - depends on the install
-        raise ImportError("the digits task needs scikit-learn: pip install 'signmuon[bench]'") from error
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    split = int(0.8 * len(y))
-    train, test = order[:split], order[split:]
-    return x[train], y[train], x[test], y[test]
-
-
-def digits_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+    task: str = "digits"
+    """``digits``, ``charlm`` or ``cifar10``."""
+    data_dir: str | None = None
+    """Where a task that reads from disk finds its data (cifar10)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -148,58 +131,50 @@ METHODS: dict[str, Method] = {
 }
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) on a held-out split, in evaluation mode."""
-    was_training = model.training
-    model.eval()
-    logits = model(x)
-    model.train(was_training)
-    return (logits.argmax(dim=1) == y).float().mean().item(), nn.functional.cross_entropy(logits, y).item()
-
-
 def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -> dict:
     """Train ``method`` on this rank; every rank returns the same final metrics."""
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must divide by the world size {world_size}")
-    x_train, y_train, x_test, y_test = digits_data(config.seed)
+    task = make_task(config.task, config.seed, config.data_dir)
     torch.manual_seed(config.seed)
-    setup = METHODS[method](digits_cnn(), config)
+    setup = METHODS[method](task.make_model(), config)
     model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
     log, step_times = [], []
     wall_start = time.perf_counter()
     for step in range(config.steps):
-        batch = torch.randint(0, len(y_train), (config.batch_size,), generator=data_gen)
-        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        batch = torch.randint(0, task.num_examples, (config.batch_size,), generator=data_gen)
+        x, y = task.batch(batch[rank * per_rank : (rank + 1) * per_rank])
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x_train[mine]), y_train[mine])
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         step_times.append(time.perf_counter() - start)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            acc, test_loss = evaluate(model, x_test, y_test)
             entry = {"step": step + 1, "time_s": time.perf_counter() - wall_start, "bytes": setup.stats.bytes_sent,
-                     "train_loss": loss.item(), "test_loss": test_loss, "test_acc": acc}  # fmt: skip
+                     "train_loss": loss.item(), **evaluate(model, task)}  # fmt: skip
             if setup.averager is not None:
                 # Workers differ between rounds: report the consensus and the mean worker.
-                worker_acc = torch.tensor([acc], dtype=torch.float64)
+                worker_acc = torch.tensor([entry["test_acc"]], dtype=torch.float64)
                 dist.all_reduce(worker_acc)
                 entry["worker_acc"] = worker_acc.item() / world_size
-                consensus = digits_cnn()
+                consensus = task.make_model()
                 consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
-                entry["test_acc"], entry["test_loss"] = evaluate(consensus, x_test, y_test)
+                entry.update(evaluate(consensus, task))
             log.append(entry)
     result = {
         "method": method,
+        "task": task.name,
         "world_size": world_size,
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
         "step_ms": 1e3 * statistics.median(step_times),
         "log": log,
     }
+    if "test_ppl" in log[-1]:
+        result["test_ppl"] = log[-1]["test_ppl"]
     if setup.averager is not None:
         result["worker_acc"] = log[-1]["worker_acc"]
         result["rounds"] = setup.averager.rounds
@@ -246,13 +221,14 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
 
 
 def valley_of(state: dict[str, torch.Tensor], config: TrainConfig, directions: int = 10) -> float:
-    """Inv. MV of a final (consensus) model on the training split (delta = 0.1 nats)."""
-    x_train, y_train, _, _ = digits_data(config.seed)
-    net = digits_cnn()
+    """Inv. MV of a final (consensus) model on training batches (delta = 0.1 nats)."""
+    task = make_task(config.task, config.seed, config.data_dir)
+    net = task.make_model()
     net.load_state_dict(state)
-    batches = list(zip(x_train.split(512), y_train.split(512)))
+    indices = torch.randperm(task.num_examples, generator=torch.Generator().manual_seed(config.seed))[:2048]
+    batches = [task.batch(chunk) for chunk in indices.split(512)]
     result = inverse_mean_valley(
-        net, nn.functional.cross_entropy, batches, directions=directions, delta=0.1, max_distance=50.0, seed=config.seed
+        net, loss_fn, batches, directions=directions, delta=0.1, max_distance=50.0, seed=config.seed
     )
     return result.inverse_mean_valley
 
@@ -277,23 +253,27 @@ def run(methods: list[str], world_size: int, config: TrainConfig, valley: bool =
 
 def print_table(results: list[dict]) -> None:
     base = next((r["bytes_per_rank"] for r in results if r["method"] == "adamw"), None)
+    ppl = any("test_ppl" in r for r in results)
     print(
-        f"{'method':>14} {'test acc':>9} {'worker acc':>10} {'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} "
-        f"{'step ms':>8} {'Inv.MV':>7}"
+        f"{'method':>14} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
+        + f"{'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} {'step ms':>8} {'Inv.MV':>7}"
     )
     for r in results:
         ratio = f"{r['bytes_per_rank'] / base:.3f}" if base else "-"
         worker = f"{r['worker_acc']:.3f}" if "worker_acc" in r else "-"
         inv_mv = f"{r['inv_mv']:.3f}" if "inv_mv" in r else "-"
+        perplexity = f"{r['test_ppl']:>9.3f} " if ppl else ""
         print(
-            f"{r['method']:>14} {r['test_acc']:>9.3f} {worker:>10} {r['rounds']:>7} {r['bytes_per_rank'] / 1e6:>13.3f} "
-            f"{ratio:>9} {r['step_ms']:>8.2f} {inv_mv:>7}"
+            f"{r['method']:>14} {r['test_acc']:>9.3f} {worker:>10} {perplexity}{r['rounds']:>7} "
+            f"{r['bytes_per_rank'] / 1e6:>13.3f} {ratio:>9} {r['step_ms']:>8.2f} {inv_mv:>7}"
         )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
+    parser.add_argument("--task", default="digits", choices=sorted(TASKS))
+    parser.add_argument("--data-dir", help="where cifar10 lives (torchvision's cifar-10-batches-py folder's parent)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {sorted(METHODS)}")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
@@ -306,8 +286,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--plot", help="write test loss vs step / bytes / time as a PNG")
     args = parser.parse_args(argv)
     config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine, eval_every=args.eval_every
-    )
+        steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
+        eval_every=args.eval_every, task=args.task, data_dir=args.data_dir,
+    )  # fmt: skip
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
         print_table(results)

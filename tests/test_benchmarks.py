@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from signmuon.benchmarks import bandwidth
 
 
@@ -37,3 +39,47 @@ def test_train_writes_curves_and_is_repeatable(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     adamw, signum = first
     assert signum["log"][-1]["bytes"] < adamw["log"][-1]["bytes"] / 5
+
+
+def test_charlm_task_splits_by_file_and_predicts_next_byte():
+    from signmuon.benchmarks.tasks import make_task, stdlib_text
+
+    train, val = stdlib_text()
+    assert len(train) > 5 * len(val) > 0
+    task = make_task("charlm")
+    x, y = task.batch(torch.tensor([0, 100]))
+    assert x.shape == y.shape == (2, 64)
+    assert torch.equal(x[:, 1:], y[:, :-1]), "targets are the inputs shifted by one byte"
+    logits = task.make_model()(x)
+    assert logits.shape == (2, 64, 256)
+    # Causal: changing the last input byte changes no earlier prediction.
+    x2 = x.clone()
+    x2[:, -1] = (x2[:, -1] + 1) % 256
+    model = task.make_model().eval()
+    torch.testing.assert_close(model(x)[:, :-1], model(x2)[:, :-1])
+
+
+def test_cifar10_reads_torchvision_format_and_names_a_missing_path(tmp_path):
+    import pickle
+
+    import numpy as np
+    import pytest
+
+    from signmuon.benchmarks.tasks import load_cifar10, make_task
+
+    with pytest.raises(FileNotFoundError, match="cifar-10-batches-py"):
+        make_task("cifar10", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="--data-dir"):
+        make_task("cifar10")
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), "labels": list(rng.integers(0, 10, 4))}
+        with open(root / name, "wb") as f:
+            pickle.dump(batch, f)
+    x_train, y_train, x_test, y_test = load_cifar10(str(tmp_path))
+    assert x_train.shape == (20, 3, 32, 32) and x_test.shape == (4, 3, 32, 32)
+    assert 0.0 <= float(x_train.min()) and float(x_train.max()) <= 1.0 and y_train.dtype == torch.int64
+    task = make_task("cifar10", data_dir=str(tmp_path))
+    assert task.make_model()(task.batch(torch.tensor([0, 1]))[0]).shape == (2, 10)
