@@ -27,10 +27,10 @@ report="$out/$(date +%F)-gpu-check.md"
   timeout 180 "$python" -m signmuon.benchmarks.ns_time --device cuda --sizes 512 1024 2048 4096 8192
   echo '```'
   echo
-  echo "## charlm, one rank (gloo, CPU tensors): SignMuon vs AdamW step time and perplexity"
+  echo "## charlm on the GPU, one rank: SignMuon vs AdamW step time and perplexity"
   echo '```'
-  timeout 120 "$python" -m signmuon.benchmarks.train --task charlm --world-size 1 --steps 200 --eval-every 200 \
-    --methods adamw signmuon
+  timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --device cuda --world-size 1 --steps 300 \
+    --eval-every 300 --methods adamw signmuon
   echo '```'
 } | tee "$report"
 echo "report: $report"

@@ -54,7 +54,9 @@ def evaluate(model: nn.Module, task: Task) -> dict[str, float]:
     was_training = model.training
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
+    device = next(model.parameters()).device
     for x, y in task.held_out:
+        x, y = x.to(device), y.to(device)
         logits = model(x)
         total_loss += float(loss_fn(logits, y)) * y.numel()
         correct += int((logits.argmax(dim=-1) == y).sum())
@@ -121,7 +123,7 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         length = idx.shape[1]
         h = self.embed(idx) + self.position[:length]  # [B, T, dim]
-        mask = nn.Transformer.generate_square_subsequent_mask(length)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=idx.device)
         return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
 
 

@@ -48,6 +48,8 @@ class TrainConfig:
     """``digits``, ``charlm`` or ``cifar10``."""
     data_dir: str | None = None
     """Where a task that reads from disk finds its data (cifar10)."""
+    device: str = "cpu"
+    """Where to train: ``cpu``, or ``cuda`` (each rank on its LOCAL_RANK's GPU)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,6 +66,12 @@ class Setup:
     """For local SGD / DPPF: evaluation uses its consensus model (the workers' average)."""
 
 
+def _ddp(net: nn.Module) -> DDP:
+    """DDP on whatever device the network was put on."""
+    device = next(net.parameters()).device
+    return DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 # A method turns the freshly initialised network into its Setup.
 Method = Callable[[nn.Module, TrainConfig], Setup]
 
@@ -74,7 +82,7 @@ def _fault(config: TrainConfig) -> ByzantineFault | None:
 
 def _ddp_allreduce(make_opt) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        model = DDP(net)
+        model = _ddp(net)
         stats = CommStats()
         model.register_comm_hook(stats, allreduce_hook)
         return Setup(model=model, optimizer=make_opt(model.parameters()), stats=stats)
@@ -84,7 +92,7 @@ def _ddp_allreduce(make_opt) -> Method:
 
 def _ddp_sign_vote(momentum: float, lr: float) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        model = DDP(net)
+        model = _ddp(net)
         state = SignVoteState(momentum=momentum, start_iter=1, fault=_fault(config))
         model.register_comm_hook(state, sign_vote_hook)
         return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), stats=state.stats)
@@ -95,7 +103,7 @@ def _ddp_sign_vote(momentum: float, lr: float) -> Method:
 def _ddp_sign_muon(**options) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         opt = SignMuon(net.parameters(), fault=_fault(config), **options)
-        model = DDP(net)
+        model = _ddp(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
 
@@ -106,7 +114,7 @@ def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     """Local SGD with momentum; pull=1, push=0 is plain periodic averaging, else DPPF."""
 
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        model = DDP(net)
+        model = _ddp(net)
         averager = DPPFAverager(period, pull=pull, push=push, module=net)
         opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), averager)
         return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
@@ -136,8 +144,12 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must divide by the world size {world_size}")
     task = make_task(config.task, config.seed, config.data_dir)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
-    setup = METHODS[method](task.make_model(), config)
+    setup = METHODS[method](task.make_model().to(device), config)
     model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
@@ -145,12 +157,16 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     wall_start = time.perf_counter()
     for step in range(config.steps):
         batch = torch.randint(0, task.num_examples, (config.batch_size,), generator=data_gen)
-        x, y = task.batch(batch[rank * per_rank : (rank + 1) * per_rank])
+        x, y = (t.to(device) for t in task.batch(batch[rank * per_rank : (rank + 1) * per_rank]))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - start)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             entry = {"step": step + 1, "time_s": time.perf_counter() - wall_start, "bytes": setup.stats.bytes_sent,
@@ -160,7 +176,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                 worker_acc = torch.tensor([entry["test_acc"]], dtype=torch.float64)
                 dist.all_reduce(worker_acc)
                 entry["worker_acc"] = worker_acc.item() / world_size
-                consensus = task.make_model()
+                consensus = task.make_model().to(device)
                 consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
                 entry.update(evaluate(consensus, task))
             log.append(entry)
@@ -179,10 +195,10 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         result["worker_acc"] = log[-1]["worker_acc"]
         result["rounds"] = setup.averager.rounds
         result["mean_distance"] = setup.averager.mean_distance
-        result["final_state"] = setup.averager.consensus_state_dict(model.module)
+        result["final_state"] = {k: v.cpu() for k, v in setup.averager.consensus_state_dict(model.module).items()}
     else:
         result["rounds"] = config.steps  # gradient communication every step
-        result["final_state"] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        result["final_state"] = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return result
 
 
@@ -273,6 +289,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     parser.add_argument("--data-dir", help="where cifar10 lives (torchvision's cifar-10-batches-py folder's parent)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {sorted(METHODS)}")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -287,7 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
-        eval_every=args.eval_every, task=args.task, data_dir=args.data_dir,
+        eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device,
     )  # fmt: skip
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
