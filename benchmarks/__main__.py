@@ -5,6 +5,7 @@ Commands:
   train      the training benchmark (accuracy, bytes per rank, step time)
   kernels    pack / vote / unpack time as ratios to memcpy
   bandwidth  message sizes x reduction methods: time, bytes per rank, algbw/busbw, speed-up
+  netem      run a benchmark across network namespaces with tc-limited links (root, iproute2)
   ddp-step   DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote
   deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
   ns-time    Newton–Schulz time per matrix size (what SignMuon adds to a step)
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> None:
         from signmuon.benchmarks import ns_time
 
         ns_time.main(rest)
+    elif command == "netem":
+        from signmuon.benchmarks import netem
+
+        netem.main(rest)
     elif command == "kernels":
         from signmuon.benchmarks import kernels
 

@@ -144,8 +144,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     if progress is not None:
         progress.close()
     for row in rows:
-        base = next(r for r in rows if r["numel"] == row["numel"] and r["method"] == "fp32_allreduce")
-        if "error" not in row and "error" not in base:
+        base = next((r for r in rows if r["numel"] == row["numel"] and r["method"] == "fp32_allreduce"), None)
+        if base is not None and "error" not in row and "error" not in base:
             row["speedup_vs_fp32"] = base["median_s"] / row["median_s"]
             row["bytes_vs_fp32"] = row["bytes_per_rank"] / base["bytes_per_rank"]
     return rows

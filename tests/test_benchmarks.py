@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark entry points: they run on 2 local ranks and report what they claim."""
 
 import json
+import os
 
 import torch
 
@@ -83,3 +84,22 @@ def test_cifar10_reads_torchvision_format_and_names_a_missing_path(tmp_path):
     assert 0.0 <= float(x_train.min()) and float(x_train.max()) <= 1.0 and y_train.dtype == torch.int64
     task = make_task("cifar10", data_dir=str(tmp_path))
     assert task.make_model()(task.batch(torch.tensor([0, 1]))[0]).shape == (2, 10)
+
+
+def test_emulated_network_harness_two_ranks_and_cleanup():
+    # Two ranks in their own network namespaces over a rate-limited bridge (needs root and
+    # iproute2, which .ci/run installs): the vote must send far fewer real bytes.
+    import subprocess
+
+    from signmuon.benchmarks import netem
+
+    common = ["--world-size", "2", "--rate", "1gbit", "--", "bandwidth", "--sizes", "256K", "--iters", "2",
+              "--warmup", "1", "--methods"]  # fmt: skip
+    fp32 = netem.main(common + ["fp32_allreduce"])
+    vote = netem.main(common + ["vote_exact"])
+    for report in (fp32, vote):
+        assert all(sent >= 0.9 * report["algorithmic_bytes_per_rank"] for sent in report["tx_bytes_per_rank"])
+    assert max(vote["tx_bytes_per_rank"]) < max(fp32["tx_bytes_per_rank"]) / 5
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    prefix = f"sm{os.getpid() % 100000}"  # EmulatedNetwork's names in this process
+    assert not any(line.startswith(prefix) for line in leftovers.splitlines()), "namespaces left behind"

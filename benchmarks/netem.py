@@ -1,0 +1,187 @@
+"""An emulated cluster network on one machine: each rank in its own network namespace.
+
+M namespaces, each with a veth pair whose other end hangs on one bridge; ``tc netem`` on
+each rank's interface limits its rate and adds delay (e.g. 1 Gbit/s, 0.2 ms), so a
+benchmark run across them sees a real, slow network instead of loopback. The harness runs
+any torchrun-aware benchmark module in every namespace (rank 0 holds the rendezvous store),
+reads the interfaces' byte counters before and after, and reports the bytes really sent
+beside the algorithmic count. Everything stays in namespaces this run creates, on
+addresses of its own (10.77.x.y inside them), and is torn down afterwards, also on failure.
+Needs root and iproute2 (``ip``, ``tc``).
+
+    signmuon-bench netem --world-size 4 --rate 1gbit --delay 0.2ms -- bandwidth --sizes 1M 16M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["EmulatedNetwork", "main"]
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class EmulatedNetwork:
+    """Namespaces ``<prefix>r<i>`` joined by bridge ``<prefix>br``; a context manager that cleans up."""
+
+    def __init__(self, world_size: int, rate: str, delay: str, subnet: int | None = None) -> None:
+        if world_size < 1 or world_size > 200:
+            raise ValueError(f"world_size={world_size} must be in 1..200")
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"the emulated network needs iproute2's `{tool}` (apt-get install iproute2)")
+        self.world_size, self.rate, self.delay = world_size, rate, delay
+        self.prefix = f"sm{os.getpid() % 100000}"
+        self.subnet = random.randrange(1, 250) if subnet is None else subnet
+        self.namespaces = [f"{self.prefix}r{i}" for i in range(world_size)]
+        self.bridge = f"{self.prefix}br"
+        self.delay_dropped = False  # set when the kernel cannot add delay (no sch_netem)
+
+    def address(self, rank: int) -> str:
+        return f"10.77.{self.subnet}.{rank + 1}"
+
+    def __enter__(self) -> EmulatedNetwork:
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "link", "set", self.bridge, "up")
+            for rank, ns in enumerate(self.namespaces):
+                host, inner = f"{self.prefix}h{rank}", f"{self.prefix}n{rank}"
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", host, "type", "veth", "peer", "name", inner)
+                _run("ip", "link", "set", host, "master", self.bridge)
+                _run("ip", "link", "set", host, "up")
+                _run("ip", "link", "set", inner, "netns", ns)
+                _run("ip", "-n", ns, "link", "set", inner, "name", "eth0")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0")
+                _run("ip", "-n", ns, "link", "set", "eth0", "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                self._shape(ns)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _shape(self, ns: str) -> None:
+        """netem (rate and delay); where the kernel lacks sch_netem, tbf (rate only)."""
+        qdisc = ["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root"]
+        netem = _run(*qdisc, "netem", "rate", self.rate, *(["delay", self.delay] if self.delay else []), check=False)
+        if netem.returncode == 0:
+            return
+        burst = max(_bits(self.rate) // 8 // 100, 32 * 1024)  # 10 ms of traffic
+        _run(*qdisc, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
+        if self.delay and not self.delay_dropped:
+            print(f"note: this kernel has no sch_netem; rate {self.rate} via tbf, delay {self.delay} not applied",
+                  file=sys.stderr)  # fmt: skip
+        self.delay_dropped = True
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete every namespace (which deletes its veth and the peer) and the bridge."""
+        for ns in self.namespaces:
+            _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+
+    def tx_bytes(self) -> list[int]:
+        """Bytes each rank's interface has sent so far."""
+        return [
+            int(_run("ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/statistics/tx_bytes").stdout)
+            for ns in self.namespaces
+        ]
+
+    def run(self, module_args: list[str], timeout: float) -> list[subprocess.CompletedProcess]:
+        """Run ``python -m signmuon.benchmarks.<module_args...>`` as rank i in namespace i."""
+        port = str(random.randrange(20000, 60000))  # inside our own namespaces: nothing else listens
+        procs = []
+        for rank, ns in enumerate(self.namespaces):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size),
+                       LOCAL_WORLD_SIZE="1", MASTER_ADDR=self.address(0), MASTER_PORT=port,
+                       GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
+            command = ["ip", "netns", "exec", ns, sys.executable, "-m", f"signmuon.benchmarks.{module_args[0]}"]
+            procs.append(subprocess.Popen(command + module_args[1:], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        results = []
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise TimeoutError(f"the emulated-network run did not finish in {timeout:.0f} s") from None
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+        return results
+
+
+def _bits(rate: str) -> int:
+    """'1gbit' -> 10**9 bits per second (tc's units: bit, kbit, mbit, gbit)."""
+    rate = rate.lower().strip()
+    for suffix, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if rate.endswith(suffix):
+            return int(float(rate[: -len(suffix)]) * scale)
+    raise ValueError(f"rate={rate!r}: give it in tc's units, e.g. 1gbit, 100mbit")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        argv = argv + ["--", "bandwidth", "--sizes", "64K", "1M", "--methods", "fp32_allreduce", "vote_exact"]
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rate", default="1gbit", help="tc rate per rank, e.g. 1gbit, 10gbit")
+    parser.add_argument("--delay", default="0.2ms", help="tc delay per packet, e.g. 0.2ms ('' for none)")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args(argv[:split])
+    inner = argv[split + 1 :]
+    with tempfile.TemporaryDirectory() as tmp:
+        json_path = os.path.join(tmp, "rows.json")
+        if inner[0] == "bandwidth" and "--json" not in inner:
+            inner = inner + ["--json", json_path, "--no-progress"]
+        with EmulatedNetwork(args.world_size, args.rate, args.delay) as net:
+            before = net.tx_bytes()
+            results = net.run(inner, args.timeout)
+            sent = [after - b for after, b in zip(net.tx_bytes(), before)]
+        for rank, result in enumerate(results):
+            if result.returncode:
+                raise RuntimeError(f"rank {rank} failed in its namespace:\n{result.stdout[-3000:]}")
+        print(results[0].stdout)
+        delay = "" if net.delay_dropped else args.delay
+        report = {"world_size": args.world_size, "rate": args.rate, "delay": delay, "tx_bytes_per_rank": sent}
+        if os.path.exists(json_path):
+            with open(json_path) as f:
+                rows = json.load(f)
+            warmup_iters = _calls_per_measurement(inner)
+            report["algorithmic_bytes_per_rank"] = sum(
+                r["bytes_per_rank"] * warmup_iters for r in rows if "bytes_per_rank" in r
+            )
+            report["rows"] = rows
+        print(f"rate={args.rate} delay={delay or '0'}: bytes really sent per rank (veth tx) {sent}")
+        if "algorithmic_bytes_per_rank" in report:
+            print(f"algorithmic bytes per rank of the measured calls: {report['algorithmic_bytes_per_rank']} "
+                  "(plus barriers, timing all-reduces, rendezvous and TCP/IP headers)")  # fmt: skip
+        return report
+
+
+def _calls_per_measurement(inner: list[str]) -> int:
+    """warmup + iters of a bandwidth run (its defaults unless given)."""
+
+    def value(flag: str, default: int) -> int:
+        return int(inner[inner.index(flag) + 1]) if flag in inner else default
+
+    return value("--warmup", 2) + value("--iters", 10)
+
+
+if __name__ == "__main__":
+    main()
