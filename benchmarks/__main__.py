@@ -20,7 +20,8 @@ def demo(argv: list[str]) -> None:
     """4 local gloo ranks on digits: DDP+AdamW against Signum-MV, SignMuon and DPPF."""
     from signmuon.benchmarks import train
 
-    train.main(["--world-size", "4", "--steps", "300", "--methods", "adamw", "signum_mv", "signmuon", "dppf_8", *argv])
+    train.main(["--world-size", "4", "--steps", "300", "--methods", "adamw", "signum_mv", "signmuon", "dppf_8",
+                "--plot", "demo_curves.png", *argv])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@
 * ``charlm``: a small GPT on the bytes of the Python standard library's own source files,
   train/validation split by file (every 10th file is validation).
 * ``cifar10``: CIFAR-10 in torchvision's on-disk format (``cifar-10-batches-py``) under
-  ``--data-dir``, ResNet-18; read with pickle, so torchvision is not needed.
+  ``--data-dir``, ResNet-18 or ResNet-50; read with pickle, so torchvision is not needed.
 
 A task hands out examples by index, so every rank draws the same global batch of indices and
 takes its own slice.
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "TASKS", "make_task", "TinyGPT", "resnet18"]
+__all__ = ["Task", "TASKS", "make_task", "TinyGPT", "resnet18", "resnet50"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -182,15 +182,43 @@ class _BasicBlock(nn.Module):
         return nn.functional.relu(self.body(x) + self.skip(x))
 
 
-def resnet18(classes: int = 10) -> nn.Module:
-    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool), as usual for CIFAR."""
+class _Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )  # fmt: skip
+        self.skip = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.skip = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.relu(self.body(x) + self.skip(x))
+
+
+def _resnet(blocks: tuple[int, ...], bottleneck: bool, classes: int) -> nn.Module:
+    """ResNet for 32x32 inputs (3x3 stem, no max-pool), as usual for CIFAR."""
     layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
     cin = 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    for width, stride, count in zip((64, 128, 256, 512), (1, 2, 2, 2), blocks):
+        for i in range(count):
+            block = _Bottleneck(cin, width, stride if i == 0 else 1) if bottleneck else _BasicBlock(
+                cin, width, stride if i == 0 else 1)  # fmt: skip
+            layers.append(block)
+            cin = 4 * width if bottleneck else width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)
+
+
+def resnet18(classes: int = 10) -> nn.Module:
+    return _resnet((2, 2, 2, 2), bottleneck=False, classes=classes)
+
+
+def resnet50(classes: int = 10) -> nn.Module:
+    return _resnet((3, 4, 6, 3), bottleneck=True, classes=classes)
 
 
 def load_cifar10(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,7 +244,7 @@ def load_cifar10(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return x_train, y_train, x_test, y_test
 
 
-def cifar10_task(seed: int = 0, data_dir: str | None = None) -> Task:
+def cifar10_task(seed: int = 0, data_dir: str | None = None, arch: str = "resnet18") -> Task:
     if data_dir is None:
         raise ValueError("the cifar10 task reads CIFAR-10 from disk: pass --data-dir")
     x_train, y_train, x_test, y_test = load_cifar10(data_dir)
@@ -225,7 +253,7 @@ def cifar10_task(seed: int = 0, data_dir: str | None = None) -> Task:
     x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
     return Task(
         name="cifar10",
-        make_model=resnet18,
+        make_model={"resnet18": resnet18, "resnet50": resnet50}[arch],
         num_examples=len(y_train),
         batch=lambda idx: (x_train[idx], y_train[idx]),
         held_out=list(zip(x_test.split(500), y_test.split(500))),
@@ -235,7 +263,11 @@ def cifar10_task(seed: int = 0, data_dir: str | None = None) -> Task:
 TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "charlm": charlm_task, "cifar10": cifar10_task}
 
 
-def make_task(name: str, seed: int = 0, data_dir: str | None = None) -> Task:
+def make_task(name: str, seed: int = 0, data_dir: str | None = None, arch: str = "resnet18") -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose from {sorted(TASKS)}")
+    if arch not in ("resnet18", "resnet50"):
+        raise ValueError(f"arch={arch!r} must be resnet18 or resnet50")
+    if name == "cifar10":
+        return cifar10_task(seed=seed, data_dir=data_dir, arch=arch)
     return TASKS[name](seed=seed, data_dir=data_dir)

@@ -50,6 +50,10 @@ class TrainConfig:
     """Where a task that reads from disk finds its data (cifar10)."""
     device: str = "cpu"
     """Where to train: ``cpu``, or ``cuda`` (each rank on its LOCAL_RANK's GPU)."""
+    arch: str = "resnet18"
+    """cifar10's model: ``resnet18`` or ``resnet50``."""
+    progress: bool = False
+    """Show a progress bar on rank 0."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -85,6 +89,47 @@ def _ddp_allreduce(make_opt) -> Method:
         model = _ddp(net)
         stats = CommStats()
         model.register_comm_hook(stats, allreduce_hook)
+        return Setup(model=model, optimizer=make_opt(model.parameters()), stats=stats)
+
+    return build
+
+
+def _powersgd_bytes(bucket: dist.GradBucket, rank: int, world_size: int, min_compression_rate: float = 2.0) -> int:
+    """Ring bytes of torch's PowerSGD for one bucket: P and Q for the matrices it compresses,
+    the raw values of the tensors it does not (its own ``_should_compress`` rule)."""
+    elements = 0
+    for g in bucket.gradients():
+        matrix = g.reshape(g.shape[0], -1) if g.dim() > 1 else None
+        if matrix is not None and matrix.numel() >= (sum(matrix.shape) * rank) * min_compression_rate:
+            elements += sum(matrix.shape) * rank
+        else:
+            elements += g.numel()
+    return 2 * (world_size - 1) * elements * 4 // world_size
+
+
+def _ddp_powersgd(rank: int, make_opt) -> Method:
+    """torch's PowerSGD hook (error feedback, 2 warm-up iterations) with AdamW.
+
+    On gloo torch's hook issues collectives from future callbacks, which can abort a run
+    with a "collective mismatch"; NCCL is unaffected.
+    """
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        model = _ddp(net)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        stats = CommStats()
+        world_size = dist.get_world_size()
+
+        def counting_hook(state, bucket):  # unannotated: DDP checks annotations as objects
+            compressed = state.iter >= state.start_powerSGD_iter
+            nbytes = _powersgd_bytes(bucket, rank, world_size) if compressed else (
+                2 * (world_size - 1) * bucket.buffer().numel() * 4 // world_size)  # fmt: skip
+            stats.add(nbytes, nbytes)
+            return powerSGD_hook.powerSGD_hook(state, bucket)
+
+        model.register_comm_hook(state, counting_hook)
         return Setup(model=model, optimizer=make_opt(model.parameters()), stats=stats)
 
     return build
@@ -128,6 +173,7 @@ METHODS: dict[str, Method] = {
     "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
     "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
     "muon_adamw": _ddp_allreduce(lambda p: MuonWithAdamW(p, lr=0.02, adamw_lr=2e-3)),
+    "powersgd_adamw": _ddp_powersgd(4, lambda p: torch.optim.AdamW(p, lr=2e-3)),
     "signmuon": _ddp_sign_muon(lr=2e-3),
     "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
     "local_sgd_8": _local_sgd(8),
@@ -139,11 +185,19 @@ METHODS: dict[str, Method] = {
 }
 
 
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bench extra brings it; without it, no bar
+        return None
+    return tqdm(total=total, desc=desc, leave=False)
+
+
 def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -> dict:
     """Train ``method`` on this rank; every rank returns the same final metrics."""
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must divide by the world size {world_size}")
-    task = make_task(config.task, config.seed, config.data_dir)
+    task = make_task(config.task, config.seed, config.data_dir, arch=config.arch)
     device = torch.device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -154,6 +208,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
     log, step_times = [], []
+    progress = _progress(config.steps, f"{task.name}/{method}") if rank == 0 and config.progress else None
     wall_start = time.perf_counter()
     for step in range(config.steps):
         batch = torch.randint(0, task.num_examples, (config.batch_size,), generator=data_gen)
@@ -168,6 +223,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - start)
+        if progress is not None:
+            progress.update()
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             entry = {"step": step + 1, "time_s": time.perf_counter() - wall_start, "bytes": setup.stats.bytes_sent,
                      "train_loss": loss.item(), **evaluate(model, task)}  # fmt: skip
@@ -180,6 +237,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                 consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
                 entry.update(evaluate(consensus, task))
             log.append(entry)
+    if progress is not None:
+        progress.close()
     result = {
         "method": method,
         "task": task.name,
@@ -238,7 +297,7 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
 
 def valley_of(state: dict[str, torch.Tensor], config: TrainConfig, directions: int = 10) -> float:
     """Inv. MV of a final (consensus) model on training batches (delta = 0.1 nats)."""
-    task = make_task(config.task, config.seed, config.data_dir)
+    task = make_task(config.task, config.seed, config.data_dir, arch=config.arch)
     net = task.make_model()
     net.load_state_dict(state)
     indices = torch.randperm(task.num_examples, generator=torch.Generator().manual_seed(config.seed))[:2048]
@@ -290,6 +349,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    parser.add_argument("--arch", default="resnet18", choices=["resnet18", "resnet50"], help="cifar10's model")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--data-dir", help="where cifar10 lives (torchvision's cifar-10-batches-py folder's parent)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {sorted(METHODS)}")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -304,7 +365,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
-        eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device,
+        eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
+        progress=args.progress,
     )  # fmt: skip
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
