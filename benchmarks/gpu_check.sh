@@ -19,18 +19,18 @@ report="$out/$(date +%F)-gpu-check.md"
   echo
   echo "## Kernels on CUDA (ratios to a memcpy of the fp32 gradient)"
   echo '```'
-  timeout 180 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 1M 16M 64M 256M --world-size 8
+  timeout 150 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 1M 16M 64M 256M --world-size 8
   echo '```'
   echo
   echo "## Newton–Schulz, bf16, 5 steps"
   echo '```'
-  timeout 180 "$python" -m signmuon.benchmarks.ns_time --device cuda --sizes 512 1024 2048 4096 8192
+  timeout 120 "$python" -m signmuon.benchmarks.ns_time --device cuda --sizes 512 1024 2048 4096 8192
   echo '```'
   echo
   echo "## charlm on the GPU, one rank: SignMuon vs AdamW step time and perplexity"
   echo '```'
   timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --device cuda --world-size 1 --steps 300 \
-    --eval-every 300 --methods adamw signmuon
+    --eval-every 300 --no-progress --methods adamw signmuon
   echo '```'
 } | tee "$report"
 echo "report: $report"
