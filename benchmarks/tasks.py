@@ -167,6 +167,13 @@ def charlm_task(seed: int = 0, data_dir: str | None = None, context: int = 64) -
 # --- cifar10 ------------------------------------------------------------------------------
 
 
+def _shortcut(cin: int, cout: int, stride: int) -> nn.Module:
+    """Identity, or a 1x1 projection where the block changes shape."""
+    if stride == 1 and cin == cout:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+
 class _BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
@@ -174,9 +181,7 @@ class _BasicBlock(nn.Module):
             nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
             nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
         )  # fmt: skip
-        self.skip = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.skip = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.skip = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.relu(self.body(x) + self.skip(x))
@@ -191,9 +196,7 @@ class _Bottleneck(nn.Module):
             nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
             nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
         )  # fmt: skip
-        self.skip = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.skip = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.skip = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.relu(self.body(x) + self.skip(x))

@@ -103,3 +103,15 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     prefix = f"sm{os.getpid() % 100000}"  # EmulatedNetwork's names in this process
     assert not any(line.startswith(prefix) for line in leftovers.splitlines()), "namespaces left behind"
+
+
+def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
+    import pytest
+
+    from signmuon.benchmarks.__main__ import COMMANDS, main
+
+    main(["ns-time", "--sizes", "32", "--repeats", "1"])
+    assert "size" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown command"):
+        main(["trian"])
+    assert set(COMMANDS) >= {"train", "bandwidth", "netem", "kernels", "ddp-step", "deepspeed-step"}
