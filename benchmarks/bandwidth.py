@@ -19,14 +19,13 @@ import json
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from signmuon.benchmarks.kernels import parse_size
-from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
+from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import CommStats, majority_vote, vote_bytes_per_rank
 from signmuon.integrations.deepspeed import SignCompressedBackend
 
@@ -119,15 +118,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
                 call, sent = make_call(method, grad, world_size)
                 for _ in range(args.warmup):
                     call()
-                times = []
-                for _ in range(args.iters):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    call()
-                    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    times.append(elapsed.item())
-                times.sort()
+                times = sorted(timed_calls(call, args.iters))
                 median = statistics.median(times)
                 row = {
                     "method": method, "numel": numel, "world_size": world_size, "bytes_per_rank": sent,

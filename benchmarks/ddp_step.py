@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
+from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 
 METHODS = ("allreduce", "fp16", "powersgd", "sign_vote")
@@ -59,24 +58,15 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(args.batch, 512, device=device)
         y = torch.randint(0, 10, (args.batch,), device=device)
-        times = []
-        sent_before = 0
-        for step in range(args.warmup + args.steps):
-            if step == args.warmup and isinstance(state, SignVoteState):
-                sent_before = state.stats.bytes_sent
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step():
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-            if step >= args.warmup:
-                times.append(elapsed.item())
+
+        timed_calls(step, args.warmup, device)
+        sent_before = state.stats.bytes_sent if isinstance(state, SignVoteState) else 0
+        times = timed_calls(step, args.steps, device)
         params = sum(p.numel() for p in model.parameters())
         if isinstance(state, SignVoteState):
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook

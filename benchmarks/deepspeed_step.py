@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from signmuon.benchmarks.ddp_step import mlp
-from signmuon.benchmarks.launch import run_distributed
+from signmuon.benchmarks.launch import run_distributed, timed_calls
 
 METHODS = ("allreduce", "signsgd_mv", "signmuon")
 
@@ -45,19 +43,14 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
         engine, optimizer, _, _ = sm_ds.initialize(model=model, config=_config(method, args.batch), optimizer=client)
         x = torch.randn(args.batch, 512)
         y = torch.randint(0, 10, (args.batch,))
-        times = []
-        sent_before = 0
-        for step in range(args.warmup + args.steps):
-            if step == args.warmup and hasattr(optimizer, "stats"):
-                sent_before = optimizer.stats.bytes_sent
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step():
             engine.backward(nn.functional.cross_entropy(engine(x), y))
             engine.step()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= args.warmup:
-                times.append(elapsed.item())
+
+        timed_calls(step, args.warmup)
+        sent_before = optimizer.stats.bytes_sent if hasattr(optimizer, "stats") else 0
+        times = timed_calls(step, args.steps)
         params = sum(p.numel() for p in model.parameters())
         if hasattr(optimizer, "stats"):
             per_step = (optimizer.stats.bytes_sent - sent_before) / args.steps

@@ -38,6 +38,25 @@ def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: t
         dist.destroy_process_group()
 
 
+def timed_calls(fn, iters: int, device: torch.device | None = None) -> list[float]:
+    """Seconds of ``iters`` calls of ``fn``, each the max over the ranks (a collective step is as
+    slow as its slowest rank); ranks start each call together, CUDA work is waited for."""
+    cuda = device is not None and device.type == "cuda"
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device if cuda else None)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return times
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 

@@ -203,13 +203,10 @@ class VoteHookState:
     def _all_slots(cls) -> list[str]:
         return [slot for klass in cls.__mro__ for slot in getattr(klass, "__slots__", ())]
 
-    def _slots(self) -> list[str]:
-        return self._all_slots()
-
     def __getstate__(self) -> dict:
         # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
         logger.warning(f"{type(self).__name__}: the process group is not serializable and is left out of the saved state")
-        return {slot: getattr(self, slot) for slot in self._slots() if slot not in self._UNPICKLED}
+        return {slot: getattr(self, slot) for slot in self._all_slots() if slot not in self._UNPICKLED}
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = None

@@ -329,10 +329,11 @@ class SignMuon(torch.optim.Optimizer):
             device = self.param_groups[0]["params"][0].device
             check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
             self._settings_checked = True
-        entries = [(*self._route(p), p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        entries = [(group, p, path) for group, path, p in entries]
-        voted = [(g, p, path) for g, p, path in entries if path != "adamw"]
-        averaged = [(g, p, path) for g, p, path in entries if path == "adamw"]
+        entries = [
+            (*self._route(p), p) for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]  # (group, path, param)
+        voted = [(g, p, path) for g, path, p in entries if path != "adamw"]
+        averaged = [(g, p, path) for g, path, p in entries if path == "adamw"]
         if hook_mode:
             signs = [p.grad for _, p, _ in voted]  # the hook left the vote in .grad
             means = [p.grad for _, p, _ in averaged]

@@ -16,9 +16,6 @@ from signmuon.benchmarks.launch import run_distributed
 from signmuon.comm_hooks import (
     ByzantineFault,
     CommStats,
-    NonFiniteError,
-    ReplicaDivergenceError,
-    SettingsMismatchError,
     SignVoteState,
     check_replicas,
     majority_vote,

@@ -2,7 +2,6 @@
 single-process optimizer against the math written out, checkpoints, convergence, bad input."""
 
 import math
-import os
 
 import pytest
 import torch
