@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from signmuon.benchmarks.kernels import parse_size
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
-from signmuon.comm_hooks import CommStats, majority_vote, vote_bytes_per_rank
+from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, vote_bytes_per_rank
 from signmuon.integrations.deepspeed import SignCompressedBackend
 
 METHODS = (
@@ -69,7 +69,8 @@ def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callabl
         tie = "fast" if method == "vote_fast" else "exact"
         out = torch.empty_like(grad)
         stats = CommStats()
-        call = lambda: majority_vote(grad, tie=tie, out=out, stats=stats, algorithm=algorithm)  # noqa: E731
+        config = VoteConfig(tie=tie, algorithm=algorithm)
+        call = lambda: majority_vote(grad, config=config, out=out, stats=stats)  # noqa: E731
         return call, vote_bytes_per_rank(n, world_size, algorithm)
     if method.startswith("powersgd_r"):
         rank = int(method.removeprefix("powersgd_r"))

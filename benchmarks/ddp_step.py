@@ -1,8 +1,11 @@
 """DDP step time of a ~10M-parameter MLP with different gradient reductions.
 
 Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD, and
-our ``sign_vote_hook``, all in one run, as ratios to the fp32 all-reduce step. Bytes per rank
-per step come from the hooks' own statistics or the ring all-reduce formula.
+our hooks (signSGD-MV, Signum-MV, SignMuon), all in one run, as ratios to the fp32 all-reduce
+step. Bytes per rank per step come from the hooks' own statistics or the ring all-reduce
+formula; "bits/entry" is 8 x bytes / (parameters x 2(M-1)/M), the bandwidth-optimal
+all-reduce's cost per entry (32 for fp32, 1 for an ideal 1-bit vote). Each step draws one of
+four batches, so ReLU's dead units differ from step to step as in training.
 
     python -m signmuon.benchmarks.ddp_step --world-size 2          # local gloo ranks
     torchrun --nproc-per-node 8 -m signmuon.benchmarks.ddp_step    # a real cluster
@@ -22,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+from signmuon.optim import SignMuon
 
-METHODS = ("allreduce", "fp16", "powersgd", "sign_vote")
+METHODS = ("allreduce", "fp16", "powersgd", "sign_vote", "signum_mv", "signmuon")
 
 
 def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Module:
@@ -34,17 +38,19 @@ def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Modu
     return nn.Sequential(*layers)
 
 
-def _register(model: DDP, method: str, group) -> object | None:
+def _register(model: DDP, method: str, group, optimizer) -> object | None:
     if method == "fp16":
         model.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif method == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
-    elif method == "sign_vote":
-        state = SignVoteState(process_group=group, start_iter=1)
+    elif method in ("sign_vote", "signum_mv"):
+        state = SignVoteState(process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0)
         model.register_comm_hook(state, sign_vote_hook)
         return state
+    elif method == "signmuon":
+        return optimizer.register_comm_hook(model)
     return None
 
 
@@ -54,21 +60,31 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
     for method in methods:
         torch.manual_seed(0)
         model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-        state = _register(model, method, None)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        x = torch.randn(args.batch, 512, device=device)
-        y = torch.randint(0, 10, (args.batch,), device=device)
+        if method == "signmuon":
+            opt = SignMuon(model.parameters(), lr=1e-3)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        state = _register(model, method, None, opt)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [
+            (torch.randn(args.batch, 512, generator=gen).to(device), torch.randint(0, 10, (args.batch,), generator=gen).to(device))
+            for _ in range(4)
+        ]
+        counter = [0]
 
         def step():
+            x, y = batches[counter[0] % len(batches)]
+            counter[0] += 1
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
 
         timed_calls(step, args.warmup, device)
-        sent_before = state.stats.bytes_sent if isinstance(state, SignVoteState) else 0
+        hooked = hasattr(state, "stats")
+        sent_before = state.stats.bytes_sent if hooked else 0
         times = timed_calls(step, args.steps, device)
         params = sum(p.numel() for p in model.parameters())
-        if isinstance(state, SignVoteState):
+        if hooked:
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
         elif method == "fp16":
             per_step = 2 * (world_size - 1) * params * 2 / world_size
@@ -76,7 +92,10 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             per_step = float("nan")  # depends on the layer shapes; see torch's PowerSGD docs
         else:
             per_step = 2 * (world_size - 1) * params * 4 / world_size
-        rows.append({"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step})
+        optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
+        bits = 8 * per_step / optimal if world_size > 1 else float("nan")
+        rows.append({"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,
+                     "bits_per_entry": bits})  # fmt: skip
     return rows
 
 
@@ -84,13 +103,14 @@ def report(rows: list[dict], world_size: int) -> None:
     base = next((r["step_s"] for r in rows if r["method"] == "allreduce" and "error" not in r), None)
     params = next((r["params"] for r in rows if "params" in r), 0)
     print(f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}")
-    print(f"{'method':>10} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13}")
+    print(f"{'method':>10} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11}")
     for r in rows:
         if "error" in r:
             print(f"{r['method']:>10}  failed: {r['error']}")
             continue
         ratio = r["step_s"] / base if base else float("nan")
-        print(f"{r['method']:>10} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f}")
+        print(f"{r['method']:>10} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
+              f"{r['bits_per_entry']:>11.2f}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a single NVIDIA GPU (under 8 minutes):
-# kernel throughput vs memcpy on CUDA, Newton–Schulz time per size in bf16, and
-# single-GPU charlm throughput (step time) of SignMuon against AdamW.
+# One prepared check for a machine with a single NVIDIA GPU (under 9 minutes):
+# the Triton kernels bit for bit against the references on CUDA tensors, kernel throughput
+# vs memcpy (Triton and the torch fallback; pack/unpack GB/s against HBM), a vote through the
+# collective on CUDA, Newton–Schulz time per size in bf16, and single-GPU charlm throughput
+# (step time) of SignMuon against AdamW.
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +19,37 @@ report="$out/$(date +%F)-gpu-check.md"
   "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   echo '```'
   echo
-  echo "## Kernels on CUDA (ratios to a memcpy of the fp32 gradient)"
+  echo "## Triton kernels on CUDA tensors against the references"
   echo '```'
-  timeout 150 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 1M 16M 64M 256M --world-size 8
+  timeout 120 "$python" - <<'PY'
+import torch
+from signmuon.comm_hooks import majority_vote, VoteConfig
+from signmuon.comm_hooks.kernels import cuda, reference
+from signmuon.comm_hooks.kernels.layout import words_for
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for n in (1, 63, 64, 65, 1000, 100_003):
+        x = torch.randn(n).to(dtype)
+        x[torch.rand(n) < 0.2] = 0.0
+        x[::17] = -0.0
+        words = words_for(n) + 1
+        ref = reference.pack(x, words) if n < 5000 else None
+        got = cuda.pack(x.cuda(), words)
+        if ref is not None:
+            assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1]), (dtype, n)
+            assert int(got[2]) == ref[2] and bool(got[3]) == ref[3], (dtype, n)
+        out = torch.empty(n, dtype=dtype, device="cuda")
+        cuda.unpack(got[0], got[1], out)
+        assert torch.equal(out.cpu(), torch.sign(x).to(dtype)), (dtype, n)
+x = torch.randn(1 << 20, device="cuda")
+assert torch.equal(majority_vote(x, config=VoteConfig()), torch.sign(x))
+print("triton kernels: bit-exact on CUDA for fp32/bf16/fp16/fp64; majority_vote on CUDA ok")
+PY
+  echo '```'
+  echo
+  echo "## Kernels on CUDA (ratios to a memcpy of the fp32 gradient; GB/s moved)"
+  echo '```'
+  timeout 120 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 1M 16M 64M 256M --world-size 8
+  timeout 90 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 16M 256M --world-size 8 --kernels torch
   echo '```'
   echo
   echo "## Newton–Schulz, bf16, 5 steps"

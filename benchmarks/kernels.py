@@ -1,11 +1,12 @@
-"""Pack, packed vote and unpack time, each as a ratio to a memcpy of the same fp32 buffer.
+"""Each stage of the vote's per-rank pipeline as a ratio to a memcpy of the same fp32 buffer.
 
-The per-rank pipeline of the vote collective is: pack the whole gradient (plus the zero
-check), vote this rank's 1/M shard from M packed vectors, unpack the whole result. Target:
-that pipeline within 3x one memcpy. Ratios are measured in one run, so a busy machine slows
-numerator and denominator alike.
+The pipeline: pack the whole gradient (both planes, zero count and NaN/Inf check in one read),
+draw the tie-break coins of this rank's 1/M shard, vote the shard from M packed vectors,
+unpack the whole result. Target: the pipeline within 1.5x one memcpy. Ratios are measured in
+one run, so a busy machine slows numerator and denominator alike. ``--kernels`` picks the
+family (numba on CPU and Triton on CUDA by default; ``torch`` for the fallback).
 
-    python -m signmuon.benchmarks.kernels --sizes 1M 4M 16M 64M --world-size 4
+    signmuon-bench kernels --sizes 1M 4M 16M 64M --world-size 4
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 
 import torch
 
-from signmuon.comm_hooks import pack_planes, pack_planes_checked, unpack_signs, vote_packed
+from signmuon.comm_hooks import SignSegments, kernels_for
+from signmuon.comm_hooks.kernels.layout import words_for
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -45,25 +47,29 @@ def _median_time(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5) -> dict[str, float]:
-    """Seconds for memcpy, pack, shard vote and unpack of ``numel`` fp32 entries."""
+def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5, kernels: str = "auto") -> dict[str, float]:
+    """Seconds for memcpy and each stage on ``numel`` fp32 entries."""
+    family = kernels_for(device, kernels)
     x = torch.randn(numel, device=device)
     copy_out = torch.empty_like(x)
     unpack_out = torch.empty_like(x)
-    packed, _ = pack_planes(x)
-    words = -(-numel // 64)
+    words = words_for(numel)
     shard = -(-words // world_size)
+    positive, nonzero, _, _ = family.pack(x, shard * world_size)
     gen = torch.Generator(device=device).manual_seed(0)
     planes = torch.randint(0, 256, (world_size, shard * 8), dtype=torch.uint8, device=device, generator=gen)
     planes = planes.view(torch.int64)  # [M, S]: the shard this rank votes
+    segments = SignSegments.whole(numel)
+    tie = family.tie_words(segments, 7, 0, shard, device)
     result = {
         "memcpy": _median_time(lambda: copy_out.copy_(x), repeats, device),
-        # What each rank does to its own gradient: both planes and the NaN/Inf check.
-        "pack": _median_time(lambda: pack_planes_checked(x), repeats, device),
-        "vote": _median_time(lambda: vote_packed(planes), repeats, device),
-        "unpack": _median_time(lambda: unpack_signs(packed, numel, out=unpack_out), repeats, device),
+        "pack": _median_time(lambda: family.pack(x, shard * world_size), repeats, device),
+        "ties": _median_time(lambda: family.tie_words(segments, 7, 0, shard, device), repeats, device),
+        "vote": _median_time(lambda: family.vote(planes, None, None, tie), repeats, device),
+        "unpack": _median_time(lambda: family.unpack(positive, None, unpack_out), repeats, device),
+        "unpack_ternary": _median_time(lambda: family.unpack(positive, nonzero, unpack_out), repeats, device),
     }
-    result["pipeline"] = result["pack"] + result["vote"] + result["unpack"]
+    result["pipeline"] = result["pack"] + result["ties"] + result["vote"] + result["unpack"]
     return result
 
 
@@ -74,20 +80,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = one core)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "numba", "triton", "torch"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = []
-    print(f"device={device} threads={args.threads} world_size={args.world_size} torch={torch.__version__}")
-    print(f"{'entries':>10} {'memcpy ms':>10} {'pack/cp':>8} {'vote/cp':>8} {'unpack/cp':>9} {'pipeline/cp':>11}")
+    family = kernels_for(device, args.kernels).NAME
+    print(f"device={device} kernels={family} threads={args.threads} world_size={args.world_size} torch={torch.__version__}")
+    print(f"{'entries':>10} {'memcpy ms':>10} {'pack/cp':>8} {'ties/cp':>8} {'vote/cp':>8} {'unpack/cp':>9} "
+          f"{'ternary/cp':>10} {'pipeline/cp':>11} {'pack GB/s':>10} {'unpack GB/s':>11}")  # fmt: skip
     for size in args.sizes:
         numel = parse_size(size)
-        t = measure(numel, args.world_size, device, args.repeats)
+        t = measure(numel, args.world_size, device, args.repeats, args.kernels)
         ratio = {k: v / t["memcpy"] for k, v in t.items()}
-        rows.append({"numel": numel, **{f"{k}_s": v for k, v in t.items()}, **{f"{k}_ratio": v for k, v in ratio.items()}})
+        rows.append({"numel": numel, **{f"{k}_s": v for k, v in t.items()}, **{f"{k}_ratio": v for k, v in ratio.items()},
+                     # bytes read + written: fp32 in, two planes out; one plane in, fp32 out
+                     "pack_gbps": (4 * numel + numel / 4) / t["pack"] / 1e9,
+                     "unpack_gbps": (numel / 8 + 4 * numel) / t["unpack"] / 1e9})  # fmt: skip
         print(
-            f"{size:>10} {t['memcpy'] * 1e3:>10.2f} {ratio['pack']:>8.2f} {ratio['vote']:>8.2f} "
-            f"{ratio['unpack']:>9.2f} {ratio['pipeline']:>11.2f}"
+            f"{size:>10} {t['memcpy'] * 1e3:>10.2f} {ratio['pack']:>8.2f} {ratio['ties']:>8.2f} {ratio['vote']:>8.2f} "
+            f"{ratio['unpack']:>9.2f} {ratio['unpack_ternary']:>10.2f} {ratio['pipeline']:>11.2f} "
+            f"{rows[-1]['pack_gbps']:>10.1f} {rows[-1]['unpack_gbps']:>11.1f}"
         )
     return rows
 

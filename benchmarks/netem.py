@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from signmuon.benchmarks.__main__ import COMMANDS
+
 __all__ = ["EmulatedNetwork", "main"]
 
 
@@ -108,7 +110,8 @@ class EmulatedNetwork:
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size),
                        LOCAL_WORLD_SIZE="1", MASTER_ADDR=self.address(0), MASTER_PORT=port,
                        GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
-            command = ["ip", "netns", "exec", ns, sys.executable, "-m", f"signmuon.benchmarks.{module_args[0]}"]
+            module = COMMANDS.get(module_args[0], module_args[0])  # a CLI name (ddp-step) or a module
+            command = ["ip", "netns", "exec", ns, sys.executable, "-m", f"signmuon.benchmarks.{module}"]
             procs.append(subprocess.Popen(command + module_args[1:], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
         deadline = time.monotonic() + timeout

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
-from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, allreduce_hook, sign_vote_hook
+from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
 from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd
 
@@ -138,7 +138,7 @@ def _ddp_powersgd(rank: int, make_opt) -> Method:
 def _ddp_sign_vote(momentum: float, lr: float) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = _ddp(net)
-        state = SignVoteState(momentum=momentum, start_iter=1, fault=_fault(config))
+        state = SignVoteState(momentum=momentum, start_iter=1, vote=VoteConfig(fault=_fault(config)))
         model.register_comm_hook(state, sign_vote_hook)
         return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), stats=state.stats)
 
@@ -147,7 +147,7 @@ def _ddp_sign_vote(momentum: float, lr: float) -> Method:
 
 def _ddp_sign_muon(**options) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        opt = SignMuon(net.parameters(), fault=_fault(config), **options)
+        opt = SignMuon(net.parameters(), vote=VoteConfig(fault=_fault(config)), **options)
         model = _ddp(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)

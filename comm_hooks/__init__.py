@@ -1,17 +1,7 @@
 """Communication: sign bit packing, the majority-vote collective, DDP hooks and their state."""
 
-from .collective import (
-    ALGORITHMS,
-    NONFINITE_ACTIONS,
-    TIE_MODES,
-    CommStats,
-    NonFiniteError,
-    VoteWork,
-    majority_vote,
-    majority_vote_async,
-    nonfinite_flag,
-    vote_bytes_per_rank,
-)
+from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, VoteConfig
 from .consistency import (
     ReplicaDivergenceError,
     SettingsMismatchError,
@@ -19,12 +9,18 @@ from .consistency import (
     check_same_settings,
     settings_digest,
 )
+from .encoding import SignEncoding
+from .exchange import CommStats, ExchangeWork, NonFiniteError, VoteMismatchError, group_size_rank
 from .faults import ByzantineFault
+from .kernels import kernels_for
+from .kernels.layout import SignSegments
 from .packing import (
-    pack_planes,
-    pack_planes_checked,
+    bits_to_bytes,
+    nonfinite_flag,
     pack_nonzero,
     pack_nonzero_reference,
+    pack_planes,
+    pack_planes_checked,
     pack_signs,
     pack_signs_reference,
     packed_size,
@@ -38,33 +34,42 @@ from .vote import vote_packed, vote_reference
 __all__ = [
     "ALGORITHMS",
     "ByzantineFault",
+    "CommStats",
+    "ExchangeWork",
+    "KERNELS",
     "NONFINITE_ACTIONS",
     "NonFiniteError",
     "ReplicaDivergenceError",
     "SettingsMismatchError",
-    "TIE_MODES",
-    "CommStats",
+    "SignEncoding",
     "SignMuonHookState",
+    "SignSegments",
     "SignVoteState",
+    "TIE_MODES",
+    "VoteConfig",
     "VoteHookState",
-    "WorkerDirections",
+    "VoteMismatchError",
     "VoteWork",
+    "WorkerDirections",
     "allreduce_hook",
     "allreduce_mean",
+    "bits_to_bytes",
     "check_replicas",
     "check_same_settings",
-    "pack_planes",
-    "pack_planes_checked",
+    "group_size_rank",
+    "kernels_for",
     "majority_vote",
     "majority_vote_async",
     "nonfinite_flag",
     "pack_nonzero",
     "pack_nonzero_reference",
+    "pack_planes",
+    "pack_planes_checked",
     "pack_signs",
     "pack_signs_reference",
     "packed_size",
-    "sign_muon_hook",
     "settings_digest",
+    "sign_muon_hook",
     "sign_vote_hook",
     "unpack_signs",
     "unpack_signs_reference",

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .collective import _group_size_rank
+from .exchange import group_size_rank
 
 __all__ = ["ReplicaDivergenceError", "SettingsMismatchError", "check_replicas", "check_same_settings", "settings_digest"]
 
@@ -33,7 +33,7 @@ def settings_digest(settings: Mapping) -> int:
 
 
 def _gather_rows(row: torch.Tensor, group) -> torch.Tensor:
-    world_size, _ = _group_size_rank(group)
+    world_size, _ = group_size_rank(group)
     rows = [torch.empty_like(row) for _ in range(world_size)]
     dist.all_gather(rows, row, group=group)
     return torch.stack(rows)
@@ -51,7 +51,7 @@ def check_same_settings(
     One all-gather of a 64-bit digest, on ``device`` (default: the current GPU under NCCL,
     else the CPU).
     """
-    world_size, rank = _group_size_rank(group)
+    world_size, rank = group_size_rank(group)
     if world_size == 1:
         return
     if device is None:
@@ -88,7 +88,7 @@ def check_replicas(
         named = list(tensors.named_parameters())
         names, tensors = [n for n, _ in named], [p for _, p in named]
     tensors = list(tensors)
-    world_size, _ = _group_size_rank(group)
+    world_size, _ = group_size_rank(group)
     if world_size == 1 or not tensors:
         return
     local = torch.stack([_checksums(t) for t in tensors]).to(tensors[0].device)  # [T, 3]

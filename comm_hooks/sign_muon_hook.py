@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .faults import ByzantineFault
+from .config import VoteConfig
 from .sign_vote_hook import VoteHookState, allreduce_mean
 
 __all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
@@ -50,27 +50,15 @@ class SignMuonHookState(VoteHookState):
         optimizer: WorkerDirections,
         process_group: dist.ProcessGroup | None = None,
         *,
-        tie: str = "exact",
-        seed: int = 0,
-        algorithm: str = "auto",
-        nonfinite: str = "skip",
+        vote: VoteConfig | None = None,
         check_replicas_every: int = 0,
-        fault: ByzantineFault | None = None,
     ) -> None:
         if not (callable(getattr(optimizer, "votes", None)) and callable(getattr(optimizer, "local_direction", None))):
             raise TypeError(
                 f"SignMuonHookState needs the SignMuon optimizer, got {type(optimizer).__name__}; "
                 "create it with opt.register_comm_hook(ddp_model)"
             )
-        super().__init__(
-            process_group,
-            tie=tie,
-            seed=seed,
-            algorithm=algorithm,
-            nonfinite=nonfinite,
-            check_replicas_every=check_replicas_every,
-            fault=fault,
-        )
+        super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
         self.optimizer = optimizer
 
     def settings(self) -> dict:
@@ -122,4 +110,4 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
                 offset += g.numel()
         return grad
 
-    return state.vote(bucket, flat_vote, out=flat_vote, finish=finish)
+    return state.vote(bucket, flat_vote, out=flat_vote, finish=finish, voted=voted)

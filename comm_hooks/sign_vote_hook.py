@@ -14,6 +14,16 @@ Example (signSGD-MV; ``momentum=0.9`` gives Signum-MV)::
 The hook's output, which DDP writes into every ``param.grad``, is the voted tensor with
 entries in {-1, 0, +1} (not an average), so plain SGD takes a step of exactly ``lr`` per
 entry. For Signum, momentum is kept on each worker *before* the sign, per bucket.
+
+Anything that rescales ``.grad`` between the hook and ``SGD.step()`` changes that step:
+``clip_grad_norm_(max_norm)`` shrinks the ±1 vote (whose norm is about sqrt(n)) and with it
+every step, and GradScaler's unscaling divides it by the loss scale. Leave clipping off with
+the bare hook, or use ``signmuon.optim.SignumMV`` / ``SignSGDMV`` / ``SignMuon``, whose steps
+take the sign of what the vote left in ``.grad`` and so ignore any positive rescaling.
+
+Host synchronisations per bucket on a GPU: two (the headers of the vote's two exchanges, which
+decide the sizes of the optional zero lists and the NaN/Inf skip; one for two ranks, whose vote
+is a single exchange). Signum's finiteness check of the gradient stays on the device.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -24,21 +34,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .collective import VoteWork, majority_vote_async
+from .config import VoteConfig
 from .consistency import check_replicas, check_same_settings
-from .faults import ByzantineFault
-from .collective import (
-    ALGORITHMS,
-    NONFINITE_ACTIONS,
-    TIE_MODES,
-    CommStats,
-    NonFiniteError,
-    VoteWork,
-    _group_size_rank,
-    majority_vote_async,
-    nonfinite_flag,
-)
+from .exchange import CommStats, NonFiniteError, group_size_rank
+from .kernels.layout import SignSegments
+from .packing import nonfinite_flag
 
-__all__ = ["VoteHookState", "SignVoteState", "sign_vote_hook", "allreduce_mean", "allreduce_hook"]
+__all__ = ["VoteHookState", "SignVoteState", "sign_vote_hook", "allreduce_mean", "allreduce_hook", "advance_momentum"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +51,19 @@ class VoteHookState:
 
     Args:
         process_group: the group to vote over; ``None`` is the default (WORLD) group.
-        tie: ``"exact"`` or ``"fast"``; see :func:`signmuon.comm_hooks.majority_vote`.
-        seed: base of the tie-break seeds (must match on every rank).
-        algorithm: collective algorithm (``"auto"``, ``"two_phase"``, ``"all_gather"``).
-        nonfinite: when any rank's bucket holds NaN or Inf: ``"skip"`` (every rank gets a zero
-            gradient for that bucket, counted in ``stats.skipped``) or ``"raise"`` (every rank
-            raises ``NonFiniteError`` naming the ranks and the bucket). Learnt in the vote's
-            first exchange, so the normal case costs no extra round trip. A rank whose own
-            gradient is non-finite leaves its momentum untouched.
+        vote: the vote's settings (:class:`VoteConfig`: tie mode, seed, algorithm, kernels, and
+            ``nonfinite``: when any rank's bucket holds NaN or Inf, ``"skip"`` gives every rank a
+            zero gradient for that bucket, counted in ``stats.skipped``, and ``"raise"`` raises
+            ``NonFiniteError`` on every rank naming the ranks and the bucket; learnt in the
+            vote's first exchange at no extra round trip; a rank whose own gradient is
+            non-finite leaves its momentum untouched).
         check_replicas_every: every this many iterations (0 = never), each bucket's parameters
             are compared across ranks (a checksum all-gather) before voting; a divergence
             raises ``ReplicaDivergenceError`` naming the first differing tensor.
-        fault: testing only: a ``ByzantineFault`` making some ranks send wrong signs.
+
+    Tie-break coins are keyed to (seed, iteration, parameter, position), so they do not depend
+    on DDP's bucket layout; each vote's header carries (iteration, bucket), so ranks whose
+    states disagree raise ``VoteMismatchError`` instead of voting different buckets together.
 
     At its first call the hook compares all ranks' settings (one digest all-gather) and
     raises ``SettingsMismatchError`` on every rank if any differ.
@@ -68,16 +72,13 @@ class VoteHookState:
     __slots__ = (
         # settings
         "process_group",
-        "tie",
-        "seed",
-        "algorithm",
-        "nonfinite",
+        "vote_config",
         "check_replicas_every",
-        "fault",
         # internal state
         "iter",
         "pending",
         "settings_checked",
+        "param_keys",
         # statistics
         "stats",
     )
@@ -86,29 +87,19 @@ class VoteHookState:
         self,
         process_group: dist.ProcessGroup | None = None,
         *,
-        tie: str = "exact",
-        seed: int = 0,
-        algorithm: str = "auto",
-        nonfinite: str = "skip",
+        vote: VoteConfig | None = None,
         check_replicas_every: int = 0,
-        fault: ByzantineFault | None = None,
     ) -> None:
-        if tie not in TIE_MODES:
-            raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
-        if nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(f"nonfinite={nonfinite!r} is not an action; use one of {NONFINITE_ACTIONS}")
+        vote = VoteConfig() if vote is None else vote
+        if not isinstance(vote, VoteConfig):
+            raise TypeError(f"vote must be a VoteConfig, got {type(vote).__name__}")
         if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
             raise ValueError(f"check_replicas_every={check_replicas_every!r} must be a non-negative int (0 = never)")
-        self.nonfinite = nonfinite
+        self.vote_config = vote
         self.check_replicas_every = check_replicas_every
-        self.fault = fault
         self.settings_checked = False
         self.process_group = process_group
-        self.tie = tie
-        self.seed = int(seed)
-        self.algorithm = algorithm
+        self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
         self.iter = 0
         # Votes of this backward pass still in flight, oldest first: (work, DDP's future, finish).
         self.pending: collections.deque[tuple[VoteWork, torch.futures.Future, Callable | None]] = collections.deque()
@@ -116,8 +107,11 @@ class VoteHookState:
 
     def settings(self) -> dict:
         """What must be equal on every rank (compared once, at the first hook call)."""
-        return {"hook": type(self).__name__, "tie": self.tie, "seed": self.seed, "algorithm": self.algorithm,
-                "nonfinite": self.nonfinite, "check_replicas_every": self.check_replicas_every}  # fmt: skip
+        return {"hook": type(self).__name__, **self.vote_config.settings(), "check_replicas_every": self.check_replicas_every}
+
+    @property
+    def nonfinite(self) -> str:
+        return self.vote_config.nonfinite
 
     def begin_bucket(self, bucket: dist.GradBucket) -> None:
         """Consistency checks at the start of each hook call (collectives on this thread)."""
@@ -135,9 +129,33 @@ class VoteHookState:
         if bucket.is_last():
             self.iter += 1
 
-    def tie_seed(self, bucket_index: int) -> int:
-        """Equal on every rank, different per step and bucket."""
-        return (self.seed * 1_000_003 + self.iter) * 10_007 + bucket_index
+    def param_key(self, param: torch.Tensor) -> int:
+        """A parameter's stable key: its order of first appearance to this state.
+
+        DDP's first bucket layout is the same in every process of a model, so keys survive a
+        restart even though DDP re-buckets after the first iteration.
+        """
+        return self.param_keys.setdefault(param, len(self.param_keys))
+
+    def segments(self, bucket: dist.GradBucket, voted: list[bool] | None = None) -> SignSegments:
+        """The bucket's (voted) parameters as keyed pieces of the voted flat tensor."""
+        flat = bucket.buffer()
+        pieces = []
+        for j, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
+            if voted is None or voted[j]:
+                pieces.append(((g.data_ptr() - flat.data_ptr()) // flat.element_size(), g.numel(), self.param_key(p)))
+        if voted is not None:  # the voted parameters are concatenated in bucket order
+            offset, packed = 0, []
+            for _, numel, key in sorted(pieces):
+                packed.append((offset, numel, key))
+                offset += numel
+            pieces, total = packed, offset
+        else:
+            pieces, total = sorted(pieces), flat.numel()
+        if not pieces:
+            return SignSegments.whole(total)
+        starts = [0] + [offset for offset, _, _ in pieces[1:]] + [total]
+        return SignSegments(tuple(starts), tuple(key for _, _, key in pieces))
 
     def vote(
         self,
@@ -145,23 +163,27 @@ class VoteHookState:
         voter: torch.Tensor,
         out: torch.Tensor,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        voted: list[bool] | None = None,
+        input_nonfinite: torch.Tensor | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
 
-        ``finish`` maps the voted tensor to the bucket's final tensor (default: the vote).
+        ``finish`` maps the voted tensor to the bucket's final tensor (default: the vote);
+        ``voted`` marks which of the bucket's parameters ``voter`` holds (default: all);
+        ``input_nonfinite`` (0-d bool) flags a non-finite gradient behind a finite ``voter``.
         """
         self.advance_pending()
         work = majority_vote_async(
             voter,
             self.process_group,
-            tie=self.tie,
-            seed=self.tie_seed(bucket.index()),
+            self.vote_config,
+            step=self.iter,
+            segments=self.segments(bucket, voted),
             out=out,
             stats=self.stats,
-            algorithm=self.algorithm,
-            nonfinite=self.nonfinite,
             label=f"bucket {bucket.index()} (iteration {self.iter})",
-            fault=self.fault,
+            tag=(self.iter << 20) | bucket.index(),
+            input_nonfinite=input_nonfinite,
         )
         grad = bucket.buffer()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
@@ -212,8 +234,7 @@ class VoteHookState:
         self.process_group = None
         self.pending = collections.deque()
         self.settings_checked = False
-        if "param_keys" in type(self)._all_slots():
-            self.param_keys = {}
+        self.param_keys = {}
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)
@@ -231,7 +252,7 @@ class SignVoteState(VoteHookState):
     """State of :func:`sign_vote_hook`, in the style of PyTorch's ``PowerSGDState``.
 
     Args:
-        process_group, tie, seed, algorithm: as :class:`VoteHookState`.
+        process_group, vote, check_replicas_every: as :class:`VoteHookState`.
         momentum: Signum momentum beta in [0, 1): each worker votes
             ``sign(m)`` with ``m <- beta*m + (1-beta)*g``; 0 votes the raw gradient (signSGD-MV).
         start_iter: iterations of plain mean all-reduce before voting starts. DDP rebuilds its
@@ -245,7 +266,6 @@ class SignVoteState(VoteHookState):
         # internal state
         "momentum_buffers",
         "layouts",
-        "param_keys",
         "unplaced",
     )
 
@@ -254,23 +274,11 @@ class SignVoteState(VoteHookState):
         process_group: dist.ProcessGroup | None = None,
         *,
         momentum: float = 0.0,
-        tie: str = "exact",
         start_iter: int = 1,
-        seed: int = 0,
-        algorithm: str = "auto",
-        nonfinite: str = "skip",
+        vote: VoteConfig | None = None,
         check_replicas_every: int = 0,
-        fault: ByzantineFault | None = None,
     ) -> None:
-        super().__init__(
-            process_group,
-            tie=tie,
-            seed=seed,
-            algorithm=algorithm,
-            nonfinite=nonfinite,
-            check_replicas_every=check_replicas_every,
-            fault=fault,
-        )
+        super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum} must be in [0, 1): it is the Signum averaging factor beta")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -284,23 +292,18 @@ class SignVoteState(VoteHookState):
         self.start_iter = start_iter
         self.momentum_buffers: dict[int, torch.Tensor] = {}  # bucket index -> [n] flat momentum
         self.layouts: dict[int, tuple[tuple[int, int, int], ...]] = {}  # bucket index -> its layout
-        self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key
         self.unplaced: dict[int, torch.Tensor] = {}  # key -> momentum not yet in a bucket buffer
 
     def settings(self) -> dict:
         return {**super().settings(), "momentum": self.momentum, "start_iter": self.start_iter}
 
     def _layout(self, bucket: dist.GradBucket) -> tuple[tuple[int, int, int], ...]:
-        """(parameter key, offset, numel) of each parameter in the bucket's flat buffer.
-
-        A parameter's key is its order of first appearance to this state: DDP's first bucket
-        layout is the same in every process of a model, so keys survive a restart even though
-        DDP re-buckets after the first iteration (and a resumed run starts from that first layout).
-        """
+        """(parameter key, offset, numel) of each parameter in the bucket's flat buffer
+        (keys: :meth:`param_key`; a resumed run starts from DDP's first layout again)."""
         flat = bucket.buffer()
         layout = []
         for p, g in zip(bucket.parameters(), bucket.gradients()):
-            key = self.param_keys.setdefault(p, len(self.param_keys))
+            key = self.param_key(p)
             layout.append((key, (g.data_ptr() - flat.data_ptr()) // flat.element_size(), g.numel()))
         return tuple(layout)
 
@@ -363,7 +366,7 @@ def allreduce_mean(
     (``nonfinite="skip"``), raises ``NonFiniteError`` (``"raise"``), or is left for the
     optimizer to handle (``None``).
     """
-    world_size, _ = _group_size_rank(group)
+    world_size, _ = group_size_rank(group)
     if stats is not None:
         ring = 2 * (world_size - 1) * tensor.numel() * tensor.element_size() // world_size
         stats.calls += 1
@@ -403,10 +406,24 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
         return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite)
-    voter = grad
-    # A non-finite gradient is voted as is (its flag makes every rank skip the bucket) and
-    # never enters the momentum.
-    if state.momentum > 0 and not bool(nonfinite_flag(grad)):
+    voter, bad = grad, None
+    if state.momentum > 0:
         voter = state.momentum_buffer(bucket, grad)
-        voter.mul_(state.momentum).add_(grad, alpha=1.0 - state.momentum)
-    return state.vote(bucket, voter, out=grad)
+        bad = advance_momentum(voter, grad, state.momentum)
+    return state.vote(bucket, voter, out=grad, input_nonfinite=bad)
+
+
+def advance_momentum(buf: torch.Tensor, grad: torch.Tensor, beta: float) -> torch.Tensor:
+    """``buf <- beta*buf + (1-beta)*grad`` unless ``grad`` holds NaN or Inf; returns that flag.
+
+    A non-finite gradient never enters the momentum; the flag goes into the vote's header so
+    every rank skips the bucket. On CPU the check is one summing pass; on a GPU the update is a
+    select on the device (no host synchronisation).
+    """
+    bad = nonfinite_flag(grad)
+    if grad.device.type == "cpu":
+        if not bool(bad):
+            buf.mul_(beta).add_(grad, alpha=1.0 - beta)
+    else:
+        buf.copy_(torch.where(bad, buf, buf * beta + grad * (1.0 - beta)))
+    return bad

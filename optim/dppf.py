@@ -1,7 +1,7 @@
 """DPPF, Distributed Pull-Push Force (Dimlioglu, Choromanska, arXiv 2507.20424).
 
 Local SGD in which, every ``period`` steps after ``warmup_steps``, each worker i is pulled
-toward the workers' average and pushed away from it (DESIGN.md, "DPPF")::
+toward the workers' average and pushed away from it (docs/design.md, "The math")::
 
     x_bar <- mean_i x_i                        one all-reduce of the parameters
     d_i   <- x_i - x_bar,   r_i <- ||d_i||

@@ -1,6 +1,6 @@
 """SignMuon: Muon's orthogonalised momentum, sent as one bit per entry and majority-voted.
 
-Per worker i and matrix parameter W, each step (DESIGN.md, "SignMuon")::
+Per worker i and matrix parameter W, each step (docs/design.md, §1)::
 
     M_i <- beta*M_i + (1-beta)*(G_i + lambda_c*W)    local momentum (Nesterov optional)
     U_i <- NS(M_i)                                   the worker's Muon direction
@@ -34,19 +34,18 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import (
-    NONFINITE_ACTIONS,
-    ByzantineFault,
-    TIE_MODES,
     CommStats,
     NonFiniteError,
     SignMuonHookState,
+    SignSegments,
+    VoteConfig,
     allreduce_mean,
     check_same_settings,
+    group_size_rank,
     majority_vote,
     nonfinite_flag,
     sign_muon_hook,
 )
-from signmuon.comm_hooks.collective import _group_size_rank
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 
@@ -112,17 +111,21 @@ class SignMuon(torch.optim.Optimizer):
         non_matrix: ``"signum"`` (vote the sign of the local momentum, one bit on the wire) or
             ``"adamw"`` (AdamW on the mean gradient, a full-precision all-reduce).
         adamw_lr, adamw_betas, adamw_eps: AdamW settings of the ``"adamw"`` path (lr defaults to ``lr``).
-        tie, seed: the vote's tie mode and tie-break seed (see ``majority_vote``).
+        vote: the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
+            algorithm, kernels, and ``nonfinite``: if any rank's gradient holds NaN or Inf,
+            ``"skip"`` moves no voted entry that step and no AdamW parameter whose mean gradient
+            is non-finite, counted in ``stats.skipped``, the rank with the bad gradient keeping
+            its momentum; ``"raise"`` raises on every rank). Also used by the DDP hook.
         process_group: ranks that vote (None = WORLD).
         vote_in_step: let ``step()`` vote across ``process_group`` itself (no DDP hook).
-        nonfinite: if any rank's gradient holds NaN or Inf: ``"skip"`` (that step moves no
-            voted entry and no AdamW parameter whose mean gradient is non-finite; counted in
-            ``stats.skipped``; the rank with the bad gradient keeps its momentum) or ``"raise"``.
         checkpoint_all_ranks: make ``state_dict()`` a collective that gathers every rank's
             local momentum into the one dict (so a checkpoint written by rank 0 alone, as
             DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
             rank's part). Off by default: then each rank saves its own ``state_dict()``.
-        fault: testing only: a ``ByzantineFault`` making some ranks send wrong signs.
+
+    Under the DDP hook, ``step()`` applies the *sign* of what the vote left in ``.grad``, so
+    gradient clipping, GradScaler unscaling or averaging over accumulated micro-batches (any
+    positive rescaling of ``.grad`` between backward and ``step()``) changes nothing.
     """
 
     _default_use_muon: bool | None = None  # param groups' default: None decides by shape
@@ -143,22 +146,15 @@ class SignMuon(torch.optim.Optimizer):
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
-        tie: str = "exact",
-        seed: int = 0,
+        vote: VoteConfig | None = None,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
-        nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
-        fault: ByzantineFault | None = None,
     ) -> None:
-        if tie not in TIE_MODES:
-            raise ValueError(f"tie={tie!r} is not a tie mode; use one of {TIE_MODES}")
-        if nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(f"nonfinite={nonfinite!r} is not an action; use one of {NONFINITE_ACTIONS}")
-        self.nonfinite = nonfinite
-        self.fault = fault
-        self.tie = tie
-        self.seed = int(seed)
+        vote = VoteConfig() if vote is None else vote
+        if not isinstance(vote, VoteConfig):
+            raise TypeError(f"vote must be a VoteConfig, got {type(vote).__name__}")
+        self.vote_config = vote
         self.process_group = process_group
         self.vote_in_step = bool(vote_in_step)
         self.checkpoint_all_ranks = bool(checkpoint_all_ranks)
@@ -253,7 +249,7 @@ class SignMuon(torch.optim.Optimizer):
 
     def _adamw_update(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         if bool(nonfinite_flag(grad)):  # the mean gradient: the same on every rank
-            if self.nonfinite == "raise":
+            if self.vote_config.nonfinite == "raise":
                 raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(param.shape)}")
             self.stats.skipped += 1
             return
@@ -273,7 +269,7 @@ class SignMuon(torch.optim.Optimizer):
             {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "shapes": [tuple(p.shape) for p in g["params"]]}
             for g in self.param_groups
         ]
-        return {"optimizer": type(self).__name__, "tie": self.tie, "seed": self.seed, "nonfinite": self.nonfinite,
+        return {"optimizer": type(self).__name__, "vote": self.vote_config.settings(),
                 "vote_in_step": self.vote_in_step, "groups": groups}  # fmt: skip
 
     # -- DDP hook --------------------------------------------------------------------------
@@ -282,9 +278,7 @@ class SignMuon(torch.optim.Optimizer):
     def comm_state(self) -> SignMuonHookState:
         """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
         if self._comm_state is None:
-            self._comm_state = SignMuonHookState(
-                self, self.process_group, tie=self.tie, seed=self.seed, nonfinite=self.nonfinite, fault=self.fault
-            )
+            self._comm_state = SignMuonHookState(self, self.process_group, vote=self.vote_config)
             self._comm_state.iter = self._hook_iter_seen = self.steps_taken
         return self._comm_state
 
@@ -316,7 +310,7 @@ class SignMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        world_size, _ = _group_size_rank(self.process_group)
+        world_size, _ = group_size_rank(self.process_group)
         hook_mode = self._comm_state is not None
         if hook_mode:
             self._check_hook_ran()
@@ -335,7 +329,8 @@ class SignMuon(torch.optim.Optimizer):
         voted = [(g, p, path) for g, path, p in entries if path != "adamw"]
         averaged = [(g, p, path) for g, path, p in entries if path == "adamw"]
         if hook_mode:
-            signs = [p.grad for _, p, _ in voted]  # the hook left the vote in .grad
+            # The hook left the vote in .grad; its sign undoes any rescaling since (clipping).
+            signs = [torch.sign(p.grad) for _, p, _ in voted]
             means = [p.grad for _, p, _ in averaged]
         else:
             signs = self._vote([self.local_direction(p, p.grad) for _, p, _ in voted])
@@ -355,21 +350,19 @@ class SignMuon(torch.optim.Optimizer):
         if not directions:
             return []
         flat = torch.cat([d.reshape(-1) for d in directions])
-        seed = self.seed * 1_000_003 + self.steps_taken
+        sizes = [d.numel() for d in directions]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        segments = SignSegments(tuple(starts), tuple(range(len(sizes))))
         majority_vote(
-            flat,
-            self.process_group,
-            tie=self.tie,
-            seed=seed,
-            out=flat,
-            stats=self.stats,
-            nonfinite=self.nonfinite,
-            fault=self.fault,
-        )
+            flat, self.process_group, self.vote_config, step=self.steps_taken, segments=segments, out=flat,
+            stats=self.stats, label=f"SignMuon step {self.steps_taken}", tag=self.steps_taken,
+        )  # fmt: skip
         return [chunk.view_as(d) for chunk, d in zip(flat.split([d.numel() for d in directions]), directions)]
 
     def _average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        world_size, _ = _group_size_rank(self.process_group)
+        world_size, _ = group_size_rank(self.process_group)
         if world_size == 1 or not grads:
             return grads
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -381,7 +374,7 @@ class SignMuon(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["signmuon"] = {"steps_taken": self.steps_taken}
-        world_size, _ = _group_size_rank(self.process_group)
+        world_size, _ = group_size_rank(self.process_group)
         if self.checkpoint_all_ranks and world_size > 1:
             # The momentum is each worker's own (it runs before the vote): keep every rank's.
             gathered: list[Any] = [None] * world_size
@@ -393,7 +386,7 @@ class SignMuon(torch.optim.Optimizer):
         extra = state_dict.get("signmuon", {"steps_taken": 0})
         state_dict = {k: v for k, v in state_dict.items() if k != "signmuon"}
         if "rank_states" in extra:
-            world_size, rank = _group_size_rank(self.process_group)
+            world_size, rank = group_size_rank(self.process_group)
             if len(extra["rank_states"]) != world_size:
                 raise ValueError(
                     f"the checkpoint holds the local state of {len(extra['rank_states'])} ranks, but "

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from signmuon.comm_hooks import VoteConfig
+
 from .sign_muon import SignMuon
 
 __all__ = ["SignumMV", "SignSGDMV"]
@@ -28,7 +30,7 @@ class SignumMV(SignMuon):
         lr: each entry moves by ``lr`` per step (or 0 where the vote is 0).
         momentum: beta in [0, 1).
         weight_decay: decoupled weight decay.
-        tie, seed, process_group, vote_in_step, nonfinite, checkpoint_all_ranks: as :class:`SignMuon`.
+        vote, process_group, vote_in_step, checkpoint_all_ranks: as :class:`SignMuon`.
     """
 
     _default_use_muon = False
@@ -40,23 +42,19 @@ class SignumMV(SignMuon):
         momentum: float = 0.9,
         *,
         weight_decay: float = 0.0,
-        tie: str = "exact",
-        seed: int = 0,
+        vote: VoteConfig | None = None,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
-        nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
     ) -> None:
         super().__init__(
             params,
             lr,
             momentum,
-            nonfinite=nonfinite,
             nesterov=False,
             weight_decay=weight_decay,
             non_matrix="signum",
-            tie=tie,
-            seed=seed,
+            vote=vote,
             process_group=process_group,
             vote_in_step=vote_in_step,
             checkpoint_all_ranks=checkpoint_all_ranks,
@@ -77,21 +75,17 @@ class SignSGDMV(SignumMV):
         lr: float = 1e-3,
         *,
         weight_decay: float = 0.0,
-        tie: str = "exact",
-        seed: int = 0,
+        vote: VoteConfig | None = None,
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
-        nonfinite: str = "skip",
         checkpoint_all_ranks: bool = False,
     ) -> None:
         super().__init__(
             params,
             lr,
             0.0,
-            nonfinite=nonfinite,
             weight_decay=weight_decay,
-            tie=tie,
-            seed=seed,
+            vote=vote,
             process_group=process_group,
             vote_in_step=vote_in_step,
             checkpoint_all_ranks=checkpoint_all_ranks,

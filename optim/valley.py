@@ -1,4 +1,4 @@
-"""The Inverse Mean Valley flatness measure (DPPF paper, DESIGN.md "DPPF").
+"""The Inverse Mean Valley flatness measure (DPPF paper, docs/design.md).
 
 From the model's point x, along K random unit directions u, find the distance t at which the
 loss first exceeds L(x) + delta; MV is the mean of those distances and Inv. MV = 1/MV.

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from signmuon.comm_hooks import CommStats, majority_vote, majority_vote_async, vote_bytes_per_rank
+from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, majority_vote_async, vote_bytes_per_rank
 from signmuon.benchmarks.launch import run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,9 +49,9 @@ def _vote_worker(rank: int, world_size: int) -> list:
         stats = CommStats()
         seed = 1234 + case["n"]
         if case["n"] == 1:
-            out = majority_vote_async(x, tie=case["tie"], seed=seed, stats=stats, algorithm=case["algorithm"]).wait()
+            out = majority_vote_async(x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats).wait()
         else:
-            out = majority_vote(x, tie=case["tie"], seed=seed, stats=stats, algorithm=case["algorithm"])
+            out = majority_vote(x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats)
         assert out.dtype == x.dtype and out.shape == x.shape
         results.append((out.to(torch.int8), stats.bytes_sent, stats.bytes_received))
     return results
@@ -104,9 +104,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="sparse"):
         majority_vote(torch.eye(2).to_sparse())
     with pytest.raises(ValueError, match="tie mode"):
-        majority_vote(torch.ones(4), tie="coin")
+        majority_vote(torch.ones(4), config=VoteConfig(tie="coin"))
     with pytest.raises(ValueError, match="algorithm"):
-        majority_vote(torch.ones(4), algorithm="tree")
+        majority_vote(torch.ones(4), config=VoteConfig(algorithm="tree"))
     with pytest.raises(ValueError, match="out must be"):
         majority_vote(torch.ones(4), out=torch.empty(5))
 
@@ -115,3 +115,61 @@ def test_single_process_is_sign():
     x = torch.tensor([3.0, -2.0, 0.0, -0.0, 1e-30])
     out = majority_vote(x, out=x)
     assert out is x and x.tolist() == [1.0, -1.0, 0.0, 0.0, 1.0]
+
+
+def _zeros_worker(rank: int, world_size: int, n: int, counts: list) -> list:
+    from signmuon.comm_hooks import VoteConfig
+
+    results = []
+    for k in counts:
+        gen = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(n, generator=gen)
+        x[x == 0] = 1.0
+        if rank == 0 and k:
+            x[torch.randperm(n, generator=torch.Generator().manual_seed(k))[:k]] = 0.0
+        stats = CommStats()
+        out = majority_vote(x, config=VoteConfig(tie="fast"), stats=stats)
+        results.append((x, out, stats.bytes_sent))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_few_zeros_cost_o_k_bytes_and_many_cost_one_plane(world_size):
+    n = 200_000
+    counts = [0, 1, 7, 60, n // 3]
+    per_rank = run_distributed(_zeros_worker, world_size, n, counts)
+    dense = vote_bytes_per_rank(n, world_size)
+    for i, k in enumerate(counts):
+        inputs = np.stack([per_rank[r][i][0].numpy() for r in range(world_size)])
+        reference = np.sign(np.sign(inputs).sum(axis=0))
+        got = per_rank[0][i][1].numpy()
+        tie = (reference == 0) & (inputs != 0).any(axis=0)
+        assert np.array_equal(got[~tie], reference[~tie]) and np.isin(got[tie], [-1, 1]).all()
+        extra = per_rank[0][i][2] - dense  # what rank 0's zeros cost it
+        others = [per_rank[r][i][2] - dense for r in range(1, world_size)]
+        if k <= 60:  # a list: 4 bytes per zero, plus at most one padding entry per receiving rank
+            assert 0 <= extra <= 4 * k + 8 * (world_size - 1), (k, extra)
+            assert extra > 0 or k == 0
+        else:  # the zero plane is cheaper: at most one more bit per entry
+            assert extra <= (world_size - 1) / world_size * n / 8 + 64 * world_size, (k, extra)
+        assert all(o == 0 for o in others), "ranks without zeros send the dense formula"
+
+
+def _mismatch_worker(rank: int, world_size: int, sizes: list) -> str:
+    from signmuon.comm_hooks import VoteMismatchError
+
+    try:
+        majority_vote(torch.ones(sizes[rank]), label="the test tensor")
+    except VoteMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size, sizes", [(2, [1000, 1001]), (3, [64, 64, 60]), (3, [10, 10, 10])])
+def test_different_sizes_raise_on_every_rank(world_size, sizes):
+    messages = run_distributed(_mismatch_worker, world_size, sizes)
+    if len(set(sizes)) == 1:
+        assert messages == ["no error"] * world_size
+        return
+    for message in messages:
+        assert "different tensors" in message and f"{sizes[-1]} entries" in message, message

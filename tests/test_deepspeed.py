@@ -178,7 +178,9 @@ def _reference_compressed_allreduce(buffers, worker_errors, server_errors):
 
 
 def _backend_worker(rank, world_size, shape, calls):
-    backend = SignCompressedBackend()
+    from signmuon.comm_hooks import VoteConfig
+
+    backend = SignCompressedBackend(vote=VoteConfig(tie="exact"))  # the literal sign(sum sign)
     n = torch.Size(shape).numel()
     padded = -(-n // (8 * world_size)) * 8 * world_size
     worker_error, server_error = torch.zeros(padded), torch.zeros(padded // world_size)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from signmuon.benchmarks.launch import run_distributed
 from signmuon.comm_hooks import (
+    VoteConfig,
     majority_vote,
     pack_nonzero_reference,
     pack_planes,
@@ -75,7 +76,7 @@ def _fuzz_worker(rank, world_size, seeds):
         rng = np.random.default_rng(seed)
         n = int(rng.choice(BOUNDARY_SIZES + [int(rng.integers(1, 5000))]))
         x = _fuzz_input(seed, rank, n)
-        out.append(majority_vote(x, tie="exact").to(torch.int8))
+        out.append(majority_vote(x, config=VoteConfig(tie="exact")).to(torch.int8))
     return out
 
 

@@ -263,7 +263,6 @@ def test_converges_on_digits():
         (dict(weight_decay=-1.0), "weight_decay"),
         (dict(non_matrix="sgd"), "non_matrix"),
         (dict(adamw_betas=(0.9, 1.0)), "adamw_betas"),
-        (dict(tie="coin"), "tie"),
     ],
 )
 def test_bad_settings(kwargs, match):

@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
+from signmuon.comm_hooks import VoteConfig
 from signmuon.optim import SignMuon, SignSGDMV, SignumMV
 
 __all__ = ["OPTIMIZER_TYPES", "initialize"]
 
 OPTIMIZER_TYPES: dict[str, type[SignMuon]] = {"signmuon": SignMuon, "signummv": SignumMV, "signsgdmv": SignSGDMV}
 # Set by the integration itself, so not settable from the config.
-_RESERVED = {"params", "process_group", "vote_in_step", "checkpoint_all_ranks"}
+_RESERVED = {"params", "process_group", "vote_in_step", "checkpoint_all_ranks", "vote"}
 
 
 def _deepspeed():
@@ -79,7 +80,8 @@ def initialize(
     case), the optimizer is built from its ``"params"`` (unknown keys are rejected with the
     valid list), DeepSpeed's own gradient all-reduce is switched off, and the optimizer's
     ``step()`` majority-votes across the data-parallel ranks with the same collective as the
-    DDP hook. Every other key goes to DeepSpeed unchanged; a config with none of our types
+    DDP hook. A top-level ``"vote"`` section sets the vote (the fields of ``VoteConfig``:
+    ``tie``, ``seed``, ``algorithm``, ``nonfinite``, ``kernels``; unknown keys are refused). Every other key goes to DeepSpeed unchanged; a config with none of our types
     is handed to ``deepspeed.initialize`` exactly as given.
 
     DeepSpeed clips gradients at norm 1.0 unless the config sets ``"gradient_clipping"``; with
@@ -111,11 +113,12 @@ def initialize(
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(f"unknown params {unknown} for optimizer {name}; valid: {allowed}")
+    vote = VoteConfig.from_dict(loaded.get("vote", {}))
     trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     # checkpoint_all_ranks: DeepSpeed writes the optimizer state from rank 0 only, but
     # the momentum is each worker's own.
-    opt = optimizer_class(trainable, vote_in_step=True, checkpoint_all_ranks=True, **params)
-    config_rest = {k: v for k, v in loaded.items() if k != "optimizer"}
+    opt = optimizer_class(trainable, vote=vote, vote_in_step=True, checkpoint_all_ranks=True, **params)
+    config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote")}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         model=model, config=config_rest, optimizer=opt, **kwargs
     )

@@ -1,0 +1,83 @@
+"""The vote's settings: one frozen, self-validating object every entry point takes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from .faults import ByzantineFault
+
+__all__ = ["VoteConfig", "TIE_MODES", "ALGORITHMS", "NONFINITE_ACTIONS", "KERNELS"]
+
+TIE_MODES = ("fast", "exact")
+ALGORITHMS = ("auto", "two_phase", "all_gather")
+NONFINITE_ACTIONS = ("skip", "raise")
+KERNELS = ("auto", "numba", "triton", "torch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VoteConfig:
+    """How a majority vote is computed and sent; taken whole by ``majority_vote``, the DDP hook
+    states, ``SignMuon``, ``SignumMV``, ``SignSGDMV`` and the DeepSpeed config's ``"vote"`` section.
+
+    Every field must be equal on every rank (the hooks and optimizers compare them at their
+    first call).
+    """
+
+    tie: Literal["fast", "exact"] = "fast"
+    """A tie (as many +1 as -1 voters, only possible for an even number of voters): ``"fast"``
+    breaks it with an unbiased coin drawn from a hash of (seed, step, parameter, position), the
+    same on every rank and after a resume, which keeps the voted result at one bit per entry;
+    ``"exact"`` votes 0, the literal ``sign(sum sign)``, which sends the voted zeros too."""
+    seed: int = 0
+    """Base of the tie-break coins (non-negative)."""
+    algorithm: Literal["auto", "two_phase", "all_gather"] = "auto"
+    """``"two_phase"``: all-to-all of packed shards, shard vote, all-gather of voted shards
+    (bandwidth-optimal for any world size); ``"all_gather"``: everyone gets every packed vector
+    and votes all of it (one round; the same bytes for two ranks); ``"auto"``: all-gather for
+    two ranks, two-phase above."""
+    nonfinite: Literal["skip", "raise"] = "skip"
+    """When any rank's input holds NaN or Inf: ``"skip"`` gives every rank an all-zero vote
+    (counted in ``stats.skipped``); ``"raise"`` raises ``NonFiniteError`` on every rank."""
+    kernels: Literal["auto", "numba", "triton", "torch"] = "auto"
+    """Pack/vote/unpack kernels: ``"auto"`` takes numba for CPU tensors and Triton for CUDA
+    tensors (an ``ImportError`` naming the extra if it is missing); ``"torch"`` takes the
+    slower device-agnostic torch operations."""
+    fault: ByzantineFault | None = None
+    """Testing only: ranks that send wrong signs (see ``ByzantineFault``)."""
+
+    def __post_init__(self) -> None:
+        _choice("tie", self.tie, TIE_MODES, "is not a tie mode")
+        _choice("algorithm", self.algorithm, ALGORITHMS, "is unknown")
+        _choice("nonfinite", self.nonfinite, NONFINITE_ACTIONS, "is not an action")
+        _choice("kernels", self.kernels, KERNELS, "names no kernel family")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be a non-negative int (it keys the tie-break coins)")
+        if self.fault is not None and not isinstance(self.fault, ByzantineFault):
+            raise TypeError(f"fault must be a ByzantineFault or None, got {type(self.fault).__name__}")
+
+    def replace(self, **changes) -> "VoteConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def settings(self) -> dict:
+        """What must agree across ranks, as plain values (for the settings digest)."""
+        fault = None if self.fault is None else (self.fault.ranks, self.fault.mode, self.fault.seed)
+        return {"tie": self.tie, "seed": self.seed, "algorithm": self.algorithm, "nonfinite": self.nonfinite,
+                "kernels": self.kernels, "fault": fault}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "VoteConfig":
+        """From a config file's section (e.g. DeepSpeed's ``"vote"``); unknown keys are refused."""
+        if not isinstance(values, dict):
+            raise TypeError(f"the vote section must be a mapping, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls) if f.name != "fault"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown vote setting(s) {unknown}; valid: {sorted(known)}")
+        return cls(**values)
+
+
+def _choice(name: str, value, choices: tuple[str, ...], why: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} {why}; use one of {choices}")

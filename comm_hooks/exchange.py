@@ -1,0 +1,346 @@
+"""The exchange: how encoded shards travel, independent of what the encoding is.
+
+Every collective in this package that reduces a tensor at a fraction of a bit per entry has
+the same schedule; an *encoding* (:mod:`signmuon.comm_hooks.encoding`) says what a shard
+holds and how shards are reduced and decoded, this module moves them.
+
+Two-phase (M >= 3 ranks by default; ``algorithm="two_phase"``)::
+
+    1. all-to-all of fixed rows:   rank r gets part r of every rank  [M, 4 + S] int64 words
+    1b. only if some header says so: all-to-all of variable extras (e.g. zero positions)
+    2. reduce part r (the encoding)
+    3. all-gather of the reduced parts                                [M, 2 + S] int64 words
+    3b. only if some header says so: all-gather of variable extras
+    4. decode (the encoding) straight into the output
+
+All-gather (M = 2 by default): every rank gathers every rank's whole row (one part of
+``S = W`` words), reduces all of it and decodes; the same bytes as two-phase for two ranks,
+in one round.
+
+Headers. Each row of step 1 starts with four words: ``code`` (bits 0–7 flags, bit 0 "this
+rank's input is not finite", bit 7 "this rank sends an extra to some rank", bits 8–63 the length of the row's extra in words), ``value`` (an
+encoding's number, e.g. a scale), ``shape`` (entry count and dtype) and ``tag`` (the caller's
+identity of the call, e.g. iteration and bucket). Every rank receives a row from every rank,
+so all ranks see the same headers and take the same decisions with no extra round trip: skip
+or raise on non-finite input, and raise :class:`VoteMismatchError` on every rank when ranks
+disagree on shape, dtype or tag (entry counts that differ so much that the rows differ in
+length cannot be detected this way: the process group fails that collective). Step 3's rows
+carry ``code`` and ``value``.
+
+Reading the headers is the one host synchronisation per exchange step on a GPU: it decides the
+sizes of the optional extras and the skip, which the host must know to issue the next
+collective. Collectives are issued only by the thread that calls the stage methods, in call
+order (gloo pairs collectives by issue order; see ``VoteWork``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .kernels.layout import FLOAT_LAYOUTS
+
+__all__ = [
+    "CommStats",
+    "ExchangeWork",
+    "Encoding",
+    "NonFiniteError",
+    "Plan",
+    "VoteMismatchError",
+    "group_size_rank",
+    "HEADER_WORDS",
+    "GATHER_HEADER_WORDS",
+    "FLAG_NONFINITE",
+    "default_two_phase",
+    "exchange_bytes_per_rank",
+]
+
+HEADER_WORDS = 4
+GATHER_HEADER_WORDS = 2
+WORD_BYTES = 8
+FLAG_NONFINITE = 1
+FLAG_SENDS_EXTRA = 128  # this rank sends an extra to some rank: the variable step must run
+_EXCHANGE_FLAGS = FLAG_NONFINITE | FLAG_SENDS_EXTRA
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_LAYOUTS, start=1)}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+class NonFiniteError(RuntimeError):
+    """Some rank's tensor held NaN or Inf; raised on every rank alike (``nonfinite="raise"``)."""
+
+
+class VoteMismatchError(ValueError):
+    """Ranks entered the same collective with different tensors (raised on every rank alike)."""
+
+
+class CommStats:
+    """Calls, bytes sent and received, and calls skipped for non-finite input."""
+
+    __slots__ = ("calls", "bytes_sent", "bytes_received", "skipped")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.skipped = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+    def state_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for name in self.__slots__:
+            setattr(self, name, int(state.get(name, 0)))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
+        return f"CommStats({fields})"
+
+
+def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(world size, rank) of ``group``; without an initialised default group the caller is alone."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a tensor of ``numel`` entries is cut: ``parts`` rows of ``part_entries`` entries,
+    each sent as ``words`` 64-bit words; ``two_phase`` says whether part r goes to rank r."""
+
+    world_size: int
+    rank: int
+    numel: int
+    parts: int
+    part_entries: int
+    words: int
+    two_phase: bool
+
+
+class Encoded(Protocol):
+    rows: torch.Tensor  # int64 [parts, words]
+    codes: torch.Tensor  # int64 [parts]: encoding flags (bits 1-7) | extra words << 8
+    values: torch.Tensor  # int64 [parts]
+    nonfinite: torch.Tensor | bool
+
+    def extra(self, part: int) -> torch.Tensor: ...
+
+
+class Encoding(Protocol):
+    """What an encoding tells the exchange (see :class:`signmuon.comm_hooks.encoding.SignEncoding`)."""
+
+    def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan: ...
+
+    def encode(self, flat: torch.Tensor, plan: Plan) -> Encoded: ...
+
+    def reduce(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, part: int, plan: Plan) -> Encoded:
+        """Reduce the M received rows of ``part`` into one (an ``Encoded`` with one part)."""
+
+    def decode(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, plan: Plan, out: torch.Tensor) -> None: ...
+
+
+def _shape_word(numel: int, dtype: torch.dtype) -> int:
+    return numel | (_DTYPE_CODES[dtype] << 56)
+
+
+def _describe_shape(word: int) -> str:
+    return f"{word & ((1 << 56) - 1)} entries of {_CODE_DTYPES.get(word >> 56, 'unknown dtype')}"
+
+
+class ExchangeWork:
+    """One encoded reduction in flight, advanced in stages by its caller.
+
+    ``ExchangeWork(...)`` encodes and starts step 1; :meth:`exchange` waits for it, reduces this
+    rank's part and starts step 3; :meth:`wait` finishes and returns ``out``. A DDP hook
+    interleaves the stages of consecutive buckets to overlap them with backward.
+    """
+
+    __slots__ = (
+        "_encoding", "_group", "_plan", "_stats", "_nonfinite", "_label", "_tag", "_out", "_device",
+        "_encoded", "_recv", "_work", "_reduced", "_stage", "_skipped",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        encoding: Encoding,
+        flat: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        *,
+        out: torch.Tensor,
+        two_phase: bool,
+        stats: CommStats | None = None,
+        nonfinite: str = "skip",
+        label: str = "",
+        tag: int = 0,
+        input_nonfinite: torch.Tensor | None = None,
+    ) -> None:
+        world_size, rank = group_size_rank(group)
+        self._encoding, self._group, self._stats = encoding, group, stats
+        self._nonfinite, self._label, self._tag, self._out = nonfinite, label, tag & ((1 << 63) - 1), out
+        self._device = flat.device
+        self._plan = plan = encoding.plan(flat.numel(), world_size, rank, two_phase and world_size > 1)
+        self._stage, self._skipped, self._reduced = 0, False, None
+        if stats is not None:
+            stats.calls += 1
+        self._encoded = enc = encoding.encode(flat, plan)
+        parts = plan.parts
+        header = torch.empty(parts, HEADER_WORDS, dtype=torch.int64, device=flat.device)
+        nonfinite = torch.as_tensor(enc.nonfinite, device=flat.device)
+        if input_nonfinite is not None:
+            nonfinite = nonfinite | input_nonfinite.to(flat.device)
+        sends_extra = ((enc.codes >> 8).sum() > 0).to(torch.int64) * FLAG_SENDS_EXTRA
+        header[:, 0] = enc.codes | nonfinite.to(torch.int64) * FLAG_NONFINITE | sends_extra
+        header[:, 1] = enc.values
+        header[:, 2] = _shape_word(flat.numel(), flat.dtype)
+        header[:, 3] = self._tag
+        send = torch.cat([header, enc.rows], dim=1)  # [parts, 4 + S]
+        M = plan.world_size
+        if M == 1:
+            self._recv, self._work = send, None
+        elif plan.two_phase:
+            self._recv = torch.empty_like(send)
+            self._work = dist.all_to_all_single(self._recv, send, group=group, async_op=True)
+            self._account((M - 1) * send.shape[1], (M - 1) * send.shape[1])
+        else:
+            row = send.squeeze(0)
+            self._recv = row.new_empty(M, row.numel())
+            self._work = dist.all_gather(list(self._recv.unbind(0)), row, group=group, async_op=True)
+            self._account((M - 1) * row.numel(), (M - 1) * row.numel())
+
+    def _account(self, sent_words: int, received_words: int) -> None:
+        if self._stats is not None:
+            self._stats.add(sent_words * WORD_BYTES, received_words * WORD_BYTES)
+
+    def _check_headers(self, headers: list[list[int]]) -> None:
+        shapes = [h[2] for h in headers]
+        tags = [h[3] for h in headers]
+        if len(set(shapes)) > 1 or len(set(tags)) > 1:
+            described = "; ".join(
+                f"rank {r}: {_describe_shape(s)}, tag {t}" for r, (s, t) in enumerate(zip(shapes, tags))
+            )
+            raise VoteMismatchError(
+                f"ranks entered {self._label or 'the same collective'} with different tensors ({described}); "
+                "every rank must pass the same entry count and dtype in the same call order"
+            )
+
+    def _exchange_extras(self, lengths_from: list[int], mine: list[torch.Tensor], broadcast: bool) -> list:
+        """Variable-size all-to-all: ``mine[d]`` goes to rank d (or ``mine[0]`` to all if
+        ``broadcast``); returns what each rank sent here (None where it sent nothing)."""
+        plan, M = self._plan, self._plan.world_size
+        empty = torch.empty(0, dtype=torch.int64, device=self._device)
+        outgoing = [mine[0] if broadcast else mine[d] for d in range(M)] if M > 1 else mine
+        if M == 1:
+            return [outgoing[0] if lengths_from[0] else None]
+        send = torch.cat(outgoing) if outgoing else empty
+        recv = send.new_empty(sum(lengths_from))
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=lengths_from, input_split_sizes=[t.numel() for t in outgoing], group=self._group
+        )
+        me = plan.rank
+        self._account(sum(t.numel() for d, t in enumerate(outgoing) if d != me), sum(n for s, n in enumerate(lengths_from) if s != me))
+        pieces = list(recv.split(lengths_from))
+        return [p if n else None for p, n in zip(pieces, lengths_from)]
+
+    def exchange(self) -> None:
+        """Wait for step 1, reduce this rank's part, start step 3."""
+        if self._stage >= 1:
+            return
+        if self._work is not None:
+            self._work.wait()
+        plan, M = self._plan, self._plan.world_size
+        headers = self._recv[:, :HEADER_WORDS].tolist()  # the one host sync of this step
+        self._check_headers(headers)
+        bad_ranks = [r for r, h in enumerate(headers) if h[0] & FLAG_NONFINITE]
+        if bad_ranks:  # every rank sees the same headers, so all take this branch together
+            self._stage, self._skipped = 1, True
+            if self._stats is not None:
+                self._stats.skipped += 1
+            if self._nonfinite == "raise":
+                raise NonFiniteError(f"NaN or Inf in {self._label or 'the voted tensor'} on rank(s) {bad_ranks}")
+            return
+        codes = [h[0] & ~_EXCHANGE_FLAGS for h in headers]
+        lengths = [c >> 8 for c in codes]
+        enc = self._encoded
+        extras: list = [None] * M
+        if any(h[0] & FLAG_SENDS_EXTRA for h in headers):  # the same decision on every rank
+            if plan.two_phase:
+                mine = [enc.extra(d) if (int(enc.codes[d]) >> 8) else _EMPTY(self._device) for d in range(M)]
+                extras = self._exchange_extras(lengths, mine, broadcast=False)
+            else:
+                own = enc.extra(0) if lengths[plan.rank] else _EMPTY(self._device)
+                extras = self._exchange_extras(lengths, [own], broadcast=True)
+        part = plan.rank if plan.two_phase else 0
+        rows = self._recv[:, HEADER_WORDS:]
+        reduced = self._encoding.reduce(rows, codes, [h[1] for h in headers], extras, part, plan)
+        self._encoded = None
+        if plan.two_phase:
+            send = torch.cat([torch.stack([reduced.codes[0], reduced.values[0]]), reduced.rows[0]])  # [2 + S]
+            self._recv = send.new_empty(M, send.numel())
+            self._work = dist.all_gather(list(self._recv.unbind(0)), send, group=self._group, async_op=True)
+            self._account((M - 1) * send.numel(), (M - 1) * send.numel())
+        self._reduced = reduced
+        self._stage = 1
+
+    def wait(self) -> torch.Tensor:
+        """Finish (issuing any remaining collectives) and return the output tensor."""
+        if self._stage == 2:
+            return self._out
+        self.exchange()
+        plan = self._plan
+        if self._skipped:
+            self._out.zero_()
+        elif plan.two_phase:
+            self._work.wait()
+            headers = self._recv[:, :GATHER_HEADER_WORDS].tolist()  # host sync: extras' sizes
+            codes = [h[0] for h in headers]
+            lengths = [c >> 8 for c in codes]
+            extras: list = [None] * plan.world_size
+            if any(lengths):
+                own = self._reduced.extra(0) if lengths[plan.rank] else _EMPTY(self._device)
+                extras = self._exchange_extras(lengths, [own], broadcast=True)
+            rows = self._recv[:, GATHER_HEADER_WORDS:]
+            self._encoding.decode(rows, codes, [h[1] for h in headers], extras, plan, self._out)
+        else:
+            reduced = self._reduced
+            code = int(reduced.codes[0])
+            extras = [reduced.extra(0) if code >> 8 else None]
+            self._encoding.decode(reduced.rows, [code], [int(reduced.values[0])], extras, plan, self._out)
+        self._stage = 2
+        self._recv = self._work = self._reduced = self._encoded = None  # free buffers
+        return self._out
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether :meth:`exchange` has run (step 3, if any, is in flight)."""
+        return self._stage >= 1
+
+    def is_completed(self) -> bool:
+        return self._stage == 2
+
+
+def _EMPTY(device: torch.device) -> torch.Tensor:  # noqa: N802 - reads as a constant
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+def exchange_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool) -> int:
+    """Bytes one rank sends per call when no extras travel (the dense formula)."""
+    if world_size == 1:
+        return 0
+    if two_phase:
+        return (world_size - 1) * (2 * plan_words + HEADER_WORDS + GATHER_HEADER_WORDS) * WORD_BYTES
+    return (world_size - 1) * (plan_words + HEADER_WORDS) * WORD_BYTES
+
+
+def default_two_phase(algorithm: str, world_size: int) -> bool:
+    """``"auto"``: all-gather for two ranks (the same bytes in one round), two-phase above."""
+    if algorithm == "auto":
+        return world_size > 2
+    return algorithm == "two_phase"
+

@@ -1,0 +1,56 @@
+"""The kernels of the vote's per-rank pipeline, one family per device, one contract for all.
+
+Each family module offers (``x`` flat and contiguous; planes are int64 words, entry ``64j+k``
+at bit ``k`` of word ``j``, padding bits past the data set in both planes):
+
+* ``pack(x, words) -> (positive, nonzero, zeros, nonfinite)``: both planes, the count of exact
+  zeros and whether ``x`` holds NaN or Inf, in one read of ``x``;
+* ``vote(positive, nonzero, dense, tie) -> (positive, nonzero)``: the majority of M voters'
+  [M, S] planes (``dense[v]``: voter v has no zeros; ``tie``: tie-break bits or None);
+* ``unpack(positive, nonzero, out)``: ±1 (0 where ``nonzero`` is clear) straight into ``out``;
+* ``tie_words(segments, call_key, first_entry, words)``: the tie-break bits.
+
+Families: ``cpu`` (numba, for CPU tensors), ``cuda`` (Triton, for CUDA tensors; pack and unpack
+are Triton kernels, the vote over the 1/M packed shard runs as torch bit operations) and
+``torch_ops`` (plain torch, any device). ``reference`` holds the slow definitions all of them
+are tested against bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+__all__ = ["kernels_for"]
+
+_MODULES = {"numba": "cpu", "triton": "cuda", "torch": "torch_ops"}
+_EXTRA = {"numba": "numba (a dependency of signmuon: pip install signmuon)", "triton": "triton (pip install 'signmuon[triton]')"}
+
+
+def kernels_for(device: torch.device, choice: str = "auto") -> ModuleType:
+    """The kernel family for tensors on ``device``: ``"auto"``, ``"numba"``, ``"triton"`` or ``"torch"``.
+
+    ``"auto"`` is numba on CPU, Triton on CUDA and torch elsewhere. Asking for a family that
+    cannot run on ``device`` raises ``ValueError``; a missing package raises ``ImportError``
+    naming what to install (no silent fallback to slower kernels).
+    """
+    device = torch.device(device)
+    if choice == "auto":
+        choice = {"cpu": "numba", "cuda": "triton"}.get(device.type, "torch")
+    if choice == "numba" and device.type != "cpu":
+        raise ValueError(f"kernels='numba' runs on CPU tensors, not {device.type}; use 'auto'")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not {device.type}")
+    if choice not in _MODULES:
+        raise ValueError(f"kernels={choice!r} names no kernel family; use 'auto', 'numba', 'triton' or 'torch'")
+    try:
+        return importlib.import_module(f"{__name__}.{_MODULES[choice]}")
+    except ImportError as error:
+        if choice == "torch":
+            raise
+        raise ImportError(
+            f"the {choice} kernels need {_EXTRA[choice]}, or choose VoteConfig(kernels='torch') for the slower fallback"
+        ) from error

@@ -1,0 +1,79 @@
+"""Shared facts of the kernels: float bit layouts, word sizes and tie-break segments."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+__all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "words_for", "MASK64"]
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatLayout:
+    """How a float dtype's bits encode sign, zero, ±1 and non-finite values."""
+
+    bits: int
+    int_dtype: torch.dtype  # same-width signed integer, for a zero-copy view
+    np_uint: type  # same-width numpy unsigned integer
+    abs_mask: int  # every bit but the sign
+    exp_mask: int  # exponent all ones: Inf (equal) or NaN (greater) in the magnitude
+    plus_one: int
+    minus_one: int
+
+
+def _layout(bits: int, int_dtype: torch.dtype, np_uint: type, exp_bits: int, mant_bits: int) -> FloatLayout:
+    bias = (1 << (exp_bits - 1)) - 1
+    sign = 1 << (bits - 1)
+    exp_mask = ((1 << exp_bits) - 1) << mant_bits
+    one = bias << mant_bits
+    return FloatLayout(bits, int_dtype, np_uint, sign - 1, exp_mask, one, one | sign)
+
+
+FLOAT_LAYOUTS: dict[torch.dtype, FloatLayout] = {
+    torch.float16: _layout(16, torch.int16, np.uint16, 5, 10),
+    torch.bfloat16: _layout(16, torch.int16, np.uint16, 8, 7),
+    torch.float32: _layout(32, torch.int32, np.uint32, 8, 23),
+    torch.float64: _layout(64, torch.int64, np.uint64, 11, 52),
+}
+
+
+def words_for(numel: int) -> int:
+    """64-bit words that ``numel`` packed entries occupy (at least one)."""
+    return max(1, -(-numel // 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class SignSegments:
+    """How a flat voted tensor splits into named pieces, for tie-break bits.
+
+    A tie (as many +1 as -1 voters) is broken by a bit drawn from a hash of the call key (seed
+    and step), the piece's ``key`` (a parameter's stable number) and the entry's index inside
+    the piece. So the bit an entry draws does not depend on where the piece sits in a DDP
+    bucket, and a run resumed with another bucket layout draws the same bits.
+    """
+
+    starts: tuple[int, ...]
+    """Entry offsets of the pieces in the flat tensor, plus its total length at the end."""
+    keys: tuple[int, ...]
+    """One non-negative key per piece."""
+
+    def __post_init__(self) -> None:
+        if len(self.starts) != len(self.keys) + 1 or not self.keys:
+            raise ValueError("SignSegments needs one key per piece and len(keys) + 1 starts")
+        if self.starts[0] != 0 or any(b < a for a, b in zip(self.starts, self.starts[1:])):
+            raise ValueError(f"segment starts {self.starts} must begin at 0 and not decrease")
+        if any(k < 0 for k in self.keys):
+            raise ValueError("segment keys must be non-negative")
+
+    @classmethod
+    def whole(cls, numel: int, key: int = 0) -> "SignSegments":
+        """One piece: the whole tensor."""
+        return cls((0, numel), (key,))
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]

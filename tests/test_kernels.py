@@ -1,0 +1,137 @@
+"""Every fast kernel family against the slow references, bit for bit.
+
+numba (CPU), torch (any device) and Triton (CUDA kernels, run on CPU tensors by Triton's
+interpreter in a subprocess with TRITON_INTERPRET=1) all follow one contract; the reference
+is a Python loop over Python floats and ints (``kernels.reference``).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from signmuon.comm_hooks import SignSegments, kernels_for
+from signmuon.comm_hooks.kernels import cpu, reference, torch_ops
+from signmuon.comm_hooks.kernels.layout import words_for
+
+FAMILIES = {"numba": cpu, "torch": torch_ops}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 7, 63, 64, 65, 130, 1000, 4099]
+
+
+def _input(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen).to(dtype)
+    x[torch.rand(n, generator=gen) < 0.2] = 0.0
+    x[torch.rand(n, generator=gen) < 0.1] = -0.0
+    if n > 10:
+        x[3], x[5], x[7] = float("nan"), float("inf"), -float("inf")
+        x[9] = torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-40  # a subnormal
+    return x
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_and_unpack_match_reference(family, dtype, n):
+    kernels = FAMILIES[family]
+    x = _input(n, dtype, seed=n)
+    words = words_for(n) + 1  # one whole word of padding too
+    ref = reference.pack(x, words)
+    got = kernels.pack(x, words)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert int(got[2]) == ref[2] and bool(got[3]) == ref[3]
+    for nonzero in (None, ref[1]):
+        out = torch.full((n,), 7.0, dtype=dtype)
+        kernels.unpack(ref[0], nonzero, out)
+        assert torch.equal(out.double(), reference.unpack(ref[0], nonzero, n))
+        assert not torch.signbit(out[out == 0]).any(), "a zero vote is +0.0"
+
+
+def test_finite_input_has_no_flag_and_zero_count_is_exact():
+    x = torch.randn(10_000)
+    x[x == 0] = 1.0
+    x[::97] = 0.0
+    for kernels in FAMILIES.values():
+        _, _, zeros, bad = kernels.pack(x, words_for(x.numel()))
+        assert int(zeros) == len(range(0, 10_000, 97)) and not bool(bad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("voters", [1, 2, 3, 4, 5, 8, 17])
+def test_vote_matches_reference(family, voters):
+    gen = torch.Generator().manual_seed(voters)
+    words = 300  # more than one block of the numba kernel
+    positive = torch.randint(-(2**62), 2**62, (voters, words), generator=gen)
+    nonzero = torch.randint(-(2**62), 2**62, (voters, words), generator=gen) | positive
+    dense = torch.tensor([v % 3 == 0 for v in range(voters)])
+    effective = torch.where(dense.unsqueeze(1), torch.full_like(nonzero, -1), nonzero)
+    tie = torch.randint(-(2**62), 2**62, (words,), generator=gen)
+    for tie_bits in (None, tie):
+        ref = reference.vote(positive, effective, tie_bits)
+        got = FAMILIES[family].vote(positive, nonzero, dense, tie_bits)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    got = FAMILIES[family].vote(positive, None, None, None)  # all dense
+    ref = reference.vote(positive, None, None)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tie_words_match_reference(family):
+    segments = SignSegments((0, 5, 70, 200, 333), (3, 0, 17, 2**63 + 5))
+    for first, words in [(0, 1), (0, 6), (64, 3), (128, 2), (320, 1)]:
+        ref = reference.tie_words(segments, 12345, first, words)
+        assert torch.equal(FAMILIES[family].tie_words(segments, 12345, first, words, None), ref)
+
+
+def test_tie_bits_depend_on_segment_not_layout():
+    # The same parameter (key 7) at another offset of another bucket draws the same coins.
+    a = reference.tie_words(SignSegments((0, 100, 300), (3, 7)), 99, 0, 5)
+    b = cpu.tie_words(SignSegments((0, 200, 264), (7, 4)), 99, 0, 5)
+    bits_a = [(int(a[(100 + i) // 64]) >> ((100 + i) % 64)) & 1 for i in range(200)]
+    bits_b = [(int(b[i // 64]) >> (i % 64)) & 1 for i in range(200)]
+    assert bits_a == bits_b
+    assert 0.35 < sum(bits_a) / 200 < 0.65
+
+
+def test_kernel_choice_is_explicit():
+    assert kernels_for(torch.device("cpu")) is cpu
+    assert kernels_for(torch.device("cpu"), "torch") is torch_ops
+    with pytest.raises(ValueError, match="numba"):
+        kernels_for(torch.device("meta"), "numba")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="triton"):
+            kernels_for(torch.device("cpu"), "triton")
+
+
+_TRITON_CHECK = """
+import torch
+from signmuon.comm_hooks.kernels import cuda, reference
+from signmuon.comm_hooks.kernels.layout import words_for
+from tests.test_kernels import _input, DTYPES
+checked = 0
+for dtype in DTYPES:
+    for n in (1, 63, 64, 65, 1000, 2100):
+        x = _input(n, dtype, seed=n)
+        words = words_for(n) + 1
+        ref = reference.pack(x, words)
+        got = cuda.pack(x, words)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (dtype, n)
+        assert int(got[2]) == ref[2] and bool(got[3]) == ref[3], (dtype, n)
+        for nonzero in (None, ref[1]):
+            out = torch.full((n,), 7.0, dtype=dtype)
+            cuda.unpack(ref[0], nonzero, out)
+            assert torch.equal(out.double(), reference.unpack(ref[0], nonzero, n)), (dtype, n)
+        checked += 1
+print("checked", checked)
+"""
+
+
+def test_triton_kernels_match_reference_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked 24" in done.stdout
