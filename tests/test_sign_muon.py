@@ -9,7 +9,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed
-from signmuon.comm_hooks import SignVoteState, sign_muon_hook, vote_reference
+from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_muon_hook, vote_reference
+
+# The simulation votes the literal sign(sum sign): ties 0 (the default tie rule is a coin).
+EXACT = VoteConfig(tie="exact")
 from signmuon.optim import SignMuon, as_matrix, newton_schulz
 
 STEPS = 3
@@ -17,19 +20,21 @@ CONFIGS = {
     # DDP hook; biases on the Signum vote; decoupled decay; Nesterov.
     "hook_signum": dict(
         ddp=True, bucket_cap_mb=25,
-        opt=dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1, polar_after_vote=False, non_matrix="signum"),
+        opt=dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1, polar_after_vote=False, non_matrix="signum",
+                 vote=EXACT),
     ),
     # DDP hook, many buckets (some mixing voted and averaged tensors), post-vote polar step,
     # biases on AdamW over an all-reduce, coupled decay, no Nesterov.
     "hook_polar_adamw": dict(
         ddp=True, bucket_cap_mb=0.001,
         opt=dict(lr=0.01, momentum=0.8, nesterov=False, coupled_weight_decay=0.05, polar_after_vote=True,
-                 non_matrix="adamw", adamw_lr=0.003),
+                 non_matrix="adamw", adamw_lr=0.003, vote=EXACT),
     ),
     # No DDP: step() votes across the group itself.
     "vote_in_step": dict(
         ddp=False, bucket_cap_mb=None,
-        opt=dict(lr=0.01, momentum=0.9, nesterov=True, polar_after_vote=True, non_matrix="signum", vote_in_step=True),
+        opt=dict(lr=0.01, momentum=0.9, nesterov=True, polar_after_vote=True, non_matrix="signum", vote_in_step=True,
+                 vote=EXACT),
     ),
 }  # fmt: skip
 

@@ -120,7 +120,7 @@ def test_state_pickles_without_process_group():
     state.stats.add(100, 200)
     restored = pickle.loads(pickle.dumps(state))
     assert restored.process_group is None
-    assert (restored.momentum, restored.tie, restored.start_iter, restored.seed, restored.iter) == (0.5, "fast", 3, 11, 9)
+    assert (restored.momentum, restored.vote_config.tie, restored.start_iter, restored.vote_config.seed, restored.iter) == (0.5, "fast", 3, 11, 9)
     assert torch.equal(restored.unplaced[0], torch.arange(5.0))
     assert (restored.stats.bytes_sent, restored.stats.bytes_received) == (100, 200)
 
