@@ -56,10 +56,6 @@ class VoteConfig:
         if self.fault is not None and not isinstance(self.fault, ByzantineFault):
             raise TypeError(f"fault must be a ByzantineFault or None, got {type(self.fault).__name__}")
 
-    def replace(self, **changes) -> "VoteConfig":
-        """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
-
     def settings(self) -> dict:
         """What must agree across ranks, as plain values (for the settings digest)."""
         fault = None if self.fault is None else (self.fault.ranks, self.fault.mode, self.fault.seed)

@@ -97,10 +97,9 @@ class _Encoded:
     values: torch.Tensor  # int64 [parts]
     nonfinite: torch.Tensor | bool
     zero_planes: torch.Tensor | None  # int64 [parts, S], the source of the extras
-    kinds: list[int] | None = None
 
-    def extra(self, part: int) -> torch.Tensor:
-        code = int(self.codes[part])
+    def extra(self, part: int, code: int) -> torch.Tensor:
+        """The extra of ``part`` whose header code (already read by the exchange) is ``code``."""
         plane = self.zero_planes[part]
         return plane if code & ZERO_PLANE else _list_words(zero_positions(plane))
 
@@ -213,20 +212,22 @@ def scaled_sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ScaledSignEncoding:
-    """Error-feedback scaled sign (1-bit Adam's compression) as an encoding: each part is
-    ``scale * sign`` with ``scale = ||x|| / sqrt(n)``; the server part averages the M senders'
+    """Error-feedback scaled sign (1-bit Adam's compression) as an encoding: each rank sends
+    ``scale * sign(x + worker_error)`` with ``scale = ||x + worker_error|| / sqrt(n)`` and keeps
+    the residual as its new worker error; the server part averages the M senders'
     ``scale_i * sign_i``, compresses again with its own error feedback, and every rank decodes
     ``scale_r * sign_r`` per part. ``sign(0) = +1``. The scale travels in the header's value word.
 
     Args:
         kernels: the kernel family.
+        worker_error: this rank's feedback buffer, as long as the encoded tensor (updated in ``encode``).
         server_error: this rank's feedback buffer for its part (updated in ``reduce``).
     """
 
-    __slots__ = ("kernels", "server_error")
+    __slots__ = ("kernels", "worker_error", "server_error")
 
-    def __init__(self, kernels: ModuleType, server_error: torch.Tensor) -> None:
-        self.kernels, self.server_error = kernels, server_error
+    def __init__(self, kernels: ModuleType, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+        self.kernels, self.worker_error, self.server_error = kernels, worker_error, server_error
 
     def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
         chunk = numel // world_size
@@ -245,13 +246,12 @@ class ScaledSignEncoding:
         self.kernels.unpack(row, None, out)
         return out
 
-    @staticmethod
-    def scale_of(x: torch.Tensor) -> torch.Tensor:
-        return scaled_sign(x)[0]
-
     def encode(self, flat: torch.Tensor, plan: Plan) -> _Encoded:
+        flat = flat + self.worker_error
+        scale, signs = scaled_sign(flat)
+        self.worker_error.copy_(flat - scale * signs)
         rows = self._signs_rows(flat.view(plan.parts, plan.part_entries), plan.words)
-        scale = self.scale_of(flat).to(torch.float64).reshape(1).view(torch.int64).expand(plan.parts)
+        scale = scale.to(torch.float64).reshape(1).view(torch.int64).expand(plan.parts)
         codes = torch.zeros(plan.parts, dtype=torch.int64, device=flat.device)
         return _Encoded(rows, codes, scale.contiguous(), ~torch.isfinite(flat).all(), None)
 

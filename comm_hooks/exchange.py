@@ -130,7 +130,7 @@ class Encoded(Protocol):
     values: torch.Tensor  # int64 [parts]
     nonfinite: torch.Tensor | bool
 
-    def extra(self, part: int) -> torch.Tensor: ...
+    def extra(self, part: int, code: int) -> torch.Tensor: ...
 
 
 class Encoding(Protocol):
@@ -230,15 +230,18 @@ class ExchangeWork:
                 "every rank must pass the same entry count and dtype in the same call order"
             )
 
+    def _nothing(self) -> torch.Tensor:
+        """An empty extra: what a rank sends where it has none."""
+        return torch.empty(0, dtype=torch.int64, device=self._device)
+
     def _exchange_extras(self, lengths_from: list[int], mine: list[torch.Tensor], broadcast: bool) -> list:
         """Variable-size all-to-all: ``mine[d]`` goes to rank d (or ``mine[0]`` to all if
         ``broadcast``); returns what each rank sent here (None where it sent nothing)."""
         plan, M = self._plan, self._plan.world_size
-        empty = torch.empty(0, dtype=torch.int64, device=self._device)
-        outgoing = [mine[0] if broadcast else mine[d] for d in range(M)] if M > 1 else mine
         if M == 1:
-            return [outgoing[0] if lengths_from[0] else None]
-        send = torch.cat(outgoing) if outgoing else empty
+            return [mine[0] if lengths_from[0] else None]
+        outgoing = [mine[0] if broadcast else mine[d] for d in range(M)]
+        send = torch.cat(outgoing)
         recv = send.new_empty(sum(lengths_from))
         dist.all_to_all_single(
             recv, send, output_split_sizes=lengths_from, input_split_sizes=[t.numel() for t in outgoing], group=self._group
@@ -271,10 +274,11 @@ class ExchangeWork:
         extras: list = [None] * M
         if any(h[0] & FLAG_SENDS_EXTRA for h in headers):  # the same decision on every rank
             if plan.two_phase:
-                mine = [enc.extra(d) if (int(enc.codes[d]) >> 8) else _EMPTY(self._device) for d in range(M)]
+                sending = enc.codes.tolist()  # one read for all destinations
+                mine = [enc.extra(d, sending[d]) if sending[d] >> 8 else self._nothing() for d in range(M)]
                 extras = self._exchange_extras(lengths, mine, broadcast=False)
             else:
-                own = enc.extra(0) if lengths[plan.rank] else _EMPTY(self._device)
+                own = enc.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
                 extras = self._exchange_extras(lengths, [own], broadcast=True)
         part = plan.rank if plan.two_phase else 0
         rows = self._recv[:, HEADER_WORDS:]
@@ -303,15 +307,15 @@ class ExchangeWork:
             lengths = [c >> 8 for c in codes]
             extras: list = [None] * plan.world_size
             if any(lengths):
-                own = self._reduced.extra(0) if lengths[plan.rank] else _EMPTY(self._device)
+                own = self._reduced.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
                 extras = self._exchange_extras(lengths, [own], broadcast=True)
             rows = self._recv[:, GATHER_HEADER_WORDS:]
             self._encoding.decode(rows, codes, [h[1] for h in headers], extras, plan, self._out)
         else:
             reduced = self._reduced
-            code = int(reduced.codes[0])
-            extras = [reduced.extra(0) if code >> 8 else None]
-            self._encoding.decode(reduced.rows, [code], [int(reduced.values[0])], extras, plan, self._out)
+            code, value = torch.stack([reduced.codes[0], reduced.values[0]]).tolist()  # one host sync
+            extras = [reduced.extra(0, code) if code >> 8 else None]
+            self._encoding.decode(reduced.rows, [code], [value], extras, plan, self._out)
         self._stage = 2
         self._recv = self._work = self._reduced = self._encoded = None  # free buffers
         return self._out
@@ -323,10 +327,6 @@ class ExchangeWork:
 
     def is_completed(self) -> bool:
         return self._stage == 2
-
-
-def _EMPTY(device: torch.device) -> torch.Tensor:  # noqa: N802 - reads as a constant
-    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def exchange_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import kernels_for
+from .kernels import kernels_for, reference
 from .kernels.layout import FLOAT_LAYOUTS
 
 __all__ = [
@@ -155,36 +155,20 @@ def unpack_signs(
     return out
 
 
-# --- slow, obviously-correct references -------------------------------------------------
-
-
-def _pack_reference(values: list[float], predicate) -> torch.Tensor:
-    packed = [0] * packed_size(len(values))
-    for i, v in enumerate(values):
-        if predicate(v):
-            packed[i // 8] |= 1 << (i % 8)
-    return torch.tensor(packed, dtype=torch.uint8)
+# --- slow, obviously-correct references (byte views of ``kernels.reference``) -------------
 
 
 def pack_signs_reference(x: torch.Tensor) -> torch.Tensor:
     """Reference for :func:`pack_signs`: a Python loop over the entries."""
-    return _pack_reference(x.detach().reshape(-1).double().cpu().tolist(), lambda v: v > 0)
+    return _as_bytes(reference.pack(x)[0], x.numel())
 
 
 def pack_nonzero_reference(x: torch.Tensor) -> torch.Tensor:
     """Reference for :func:`pack_nonzero`."""
-    return _pack_reference(x.detach().reshape(-1).double().cpu().tolist(), lambda v: v != 0)
+    return _as_bytes(reference.pack(x)[1], x.numel())
 
 
 def unpack_signs_reference(positive: torch.Tensor, numel: int, nonzero: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for :func:`unpack_signs`, returning float32 on CPU."""
-    pos = positive.cpu().tolist()
-    nz = nonzero.cpu().tolist() if nonzero is not None else None
-    values = []
-    for i in range(numel):
-        byte, bit = divmod(i, 8)
-        if nz is not None and not (nz[byte] >> bit) & 1:
-            values.append(0.0)
-        else:
-            values.append(1.0 if (pos[byte] >> bit) & 1 else -1.0)
-    return torch.tensor(values, dtype=torch.float32)
+    nz = None if nonzero is None else _as_words(nonzero.cpu(), numel)
+    return reference.unpack(_as_words(positive.cpu(), numel), nz, numel).float()

@@ -21,9 +21,10 @@ every step, and GradScaler's unscaling divides it by the loss scale. Leave clipp
 the bare hook, or use ``signmuon.optim.SignumMV`` / ``SignSGDMV`` / ``SignMuon``, whose steps
 take the sign of what the vote left in ``.grad`` and so ignore any positive rescaling.
 
-Host synchronisations per bucket on a GPU: two (the headers of the vote's two exchanges, which
-decide the sizes of the optional zero lists and the NaN/Inf skip; one for two ranks, whose vote
-is a single exchange). Signum's finiteness check of the gradient stays on the device.
+Host synchronisations per bucket on a GPU: two. The first reads the headers of the vote's first
+exchange (they decide the NaN/Inf skip and the sizes of the optional zero lists); the second
+reads the voted result's zero count (the headers of the second exchange, or for two ranks the
+local vote's). Signum's finiteness check of the gradient stays on the device.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.

@@ -135,3 +135,19 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "checked 24" in done.stdout
+
+
+def test_tie_words_on_random_segments_match_reference():
+    # Unaligned segment starts, keys over the whole 64-bit range, ranges past the data: the word
+    # path (two hashes shifted together) and the entry path (boundary words) must both agree.
+    import random
+
+    rng = random.Random(1)
+    for case in range(12):
+        n = rng.randint(2, 1500)
+        cuts = sorted(rng.sample(range(1, n), min(5, n - 1)))
+        segments = SignSegments(tuple([0, *cuts, n]), tuple(rng.randint(0, 2**64 - 1) for _ in range(len(cuts) + 1)))
+        first, words, key = 64 * rng.randint(0, n // 64), rng.randint(1, 30), rng.randint(0, 2**64 - 1)
+        ref = reference.tie_words(segments, key, first, words)
+        for family in FAMILIES.values():
+            assert torch.equal(family.tie_words(segments, key, first, words, None), ref), case

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from .layout import FLOAT_LAYOUTS, SignSegments
+from .layout import FLOAT_LAYOUTS, SignSegments, data_words
 
 __all__ = ["pack", "unpack", "vote", "tie_words", "NAME"]
 
@@ -92,6 +92,17 @@ def _unpack_kernel(positive, nonzero, ternary, plus, sign_shift, out):  # pragma
 _BLOCK = 256  # words voted together: the counters of a block stay in L1
 
 
+@numba.njit(cache=True, inline="always")
+def _count_into(counter, carry, depth, m):  # pragma: no cover - compiled
+    # counter[:, :m] += carry (one bit per position): a ripple-carry add over the bit planes.
+    for k in range(depth):
+        for w in range(m):
+            t = counter[k, w]
+            c = carry[w]
+            counter[k, w] = t ^ c
+            carry[w] = t & c
+
+
 @numba.njit(cache=True, nogil=True)
 def _vote_kernel(positive, nonzero, dense, tie, use_tie, out_pos, out_nz, depth):  # pragma: no cover
     # Bit-sliced counters of +1 and -1 voters, one bit plane per counter bit, vectorised across
@@ -110,12 +121,7 @@ def _vote_kernel(positive, nonzero, dense, tie, use_tie, out_pos, out_nz, depth)
             pv = positive[v, start : start + m]
             for w in range(m):
                 carry[w] = pv[w]
-            for k in range(depth):
-                for w in range(m):
-                    t = cpos[k, w]
-                    c = carry[w]
-                    cpos[k, w] = t ^ c
-                    carry[w] = t & c
+            _count_into(cpos, carry, depth, m)
             if dense[v]:  # no zeros: every entry is +1 or -1
                 for w in range(m):
                     carry[w] = ~pv[w]
@@ -125,12 +131,7 @@ def _vote_kernel(positive, nonzero, dense, tie, use_tie, out_pos, out_nz, depth)
                 for w in range(m):
                     carry[w] = zv[w] & ~pv[w]
                     any_nz[w] |= zv[w]
-            for k in range(depth):
-                for w in range(m):
-                    t = cneg[k, w]
-                    c = carry[w]
-                    cneg[k, w] = t ^ c
-                    carry[w] = t & c
+            _count_into(cneg, carry, depth, m)
         for w in range(m):
             greater = np.uint64(0)
             less = np.uint64(0)
@@ -214,14 +215,10 @@ def pack(x: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor, int, 
         _bits(x), np.uint64((1 << layout.bits) - 1), np.uint64(layout.abs_mask), np.uint64(layout.exp_mask),
         _u64(positive), _u64(nonzero),
     )  # fmt: skip
-    used = packed_words(x.numel())
+    used = data_words(x.numel())
     positive[used:] = -1  # whole words past the data are padding too
     nonzero[used:] = -1
     return positive, nonzero, int(zeros), bool(bad)
-
-
-def packed_words(numel: int) -> int:
-    return -(-numel // 64)
 
 
 def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import torch_ops
-from .layout import FLOAT_LAYOUTS, SignSegments
+from .layout import FLOAT_LAYOUTS, SignSegments, data_words
 
 __all__ = ["pack", "unpack", "vote", "tie_words", "NAME"]
 
@@ -25,7 +25,7 @@ _WORDS_PER_PROGRAM = 16
 
 
 @triton.jit
-def _pack_kernel(bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, full_mask, abs_mask, exp_mask, WORDS: tl.constexpr):
+def _pack_kernel(bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask, WORDS: tl.constexpr):
     pid = tl.program_id(0)
     word = pid * WORDS + tl.arange(0, WORDS)  # [WORDS]
     lane = tl.arange(0, 64)  # [64]
@@ -38,24 +38,24 @@ def _pack_kernel(bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, full_mask, ab
     weight = tl.full([64], 1, tl.uint64) << lane.to(tl.uint64)
     pos_word = tl.sum(tl.where(positive, weight[None, :], 0), axis=1)  # distinct bits: sum is OR
     nz_word = tl.sum(tl.where(nonzero, weight[None, :], 0), axis=1)
-    tl.store(pos_ptr + word, pos_word.to(tl.int64, bitcast=True))
-    tl.store(nz_ptr + word, nz_word.to(tl.int64, bitcast=True))
+    tl.store(pos_ptr + word, pos_word.to(tl.int64, bitcast=True), mask=word < nwords)
+    tl.store(nz_ptr + word, nz_word.to(tl.int64, bitcast=True), mask=word < nwords)
     tl.atomic_add(zeros_ptr, tl.sum(tl.sum((~nonzero).to(tl.int64), axis=1), axis=0))
     tl.atomic_max(bad_ptr, tl.max(tl.max(((a >= exp_mask) & inside).to(tl.int32), axis=1), axis=0))
 
 
 @triton.jit
-def _unpack_kernel(pos_ptr, nz_ptr, out_ptr, n, plus, sign_shift, TERNARY: tl.constexpr, WORDS: tl.constexpr):
+def _unpack_kernel(pos_ptr, nz_ptr, out_ptr, n, nwords, plus, sign_shift, TERNARY: tl.constexpr, WORDS: tl.constexpr):
     pid = tl.program_id(0)
     word = pid * WORDS + tl.arange(0, WORDS)
     lane = tl.arange(0, 64)
     index = word[:, None] * 64 + lane[None, :]
     inside = index < n
-    pos = tl.load(pos_ptr + word).to(tl.uint64, bitcast=True)
+    pos = tl.load(pos_ptr + word, mask=word < nwords, other=-1).to(tl.uint64, bitcast=True)
     bit = (pos[:, None] >> lane[None, :].to(tl.uint64)) & 1
     value = plus | ((1 - bit) << sign_shift)  # -1 is +1 with the sign bit set
     if TERNARY:
-        nz = tl.load(nz_ptr + word).to(tl.uint64, bitcast=True)
+        nz = tl.load(nz_ptr + word, mask=word < nwords, other=-1).to(tl.uint64, bitcast=True)
         value = tl.where(((nz[:, None] >> lane[None, :].to(tl.uint64)) & 1) != 0, value, 0)
     tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -70,20 +70,12 @@ def pack(x: torch.Tensor, words: int):
     nonzero = torch.full((words,), -1, dtype=torch.int64, device=x.device)
     zeros = torch.zeros(1, dtype=torch.int64, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    used = -(-x.numel() // 64)
-    if used:
-        grid = (triton.cdiv(used, _WORDS_PER_PROGRAM),)
-        scratch_words = grid[0] * _WORDS_PER_PROGRAM
-        pos_buf = positive if scratch_words <= words else torch.full((scratch_words,), -1, dtype=torch.int64, device=x.device)
-        nz_buf = nonzero if scratch_words <= words else torch.full((scratch_words,), -1, dtype=torch.int64, device=x.device)
-        _pack_kernel[grid](
-            _unsigned_view(x), pos_buf, nz_buf, zeros, bad, x.numel(), (1 << layout.bits) - 1, layout.abs_mask,
-            layout.exp_mask, WORDS=_WORDS_PER_PROGRAM,
+    used = data_words(x.numel())
+    if used:  # words past the data keep their fill: all padding
+        _pack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
+            _unsigned_view(x), positive, nonzero, zeros, bad, x.numel(), used, (1 << layout.bits) - 1,
+            layout.abs_mask, layout.exp_mask, WORDS=_WORDS_PER_PROGRAM,
         )  # fmt: skip
-        if pos_buf is not positive:
-            positive[:used], nonzero[:used] = pos_buf[:used], nz_buf[:used]
-        # Words past the data are all padding; the kernel may have written whole ones there.
-        positive[used:], nonzero[used:] = -1, -1
     # Padding bits are not zeros: the kernel counts only entries inside the data.
     return positive, nonzero, zeros[0], bad[0].bool()
 
@@ -93,14 +85,10 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tens
     if n == 0:
         return
     layout = FLOAT_LAYOUTS[out.dtype]
-    used = -(-n // 64)
-    grid = (triton.cdiv(used, _WORDS_PER_PROGRAM),)
-    padded = grid[0] * _WORDS_PER_PROGRAM
-    pos = positive if positive.numel() >= padded else torch.cat([positive, positive.new_full((padded - positive.numel(),), -1)])
-    nz = nonzero if nonzero is None or nonzero.numel() >= padded else torch.cat([nonzero, nonzero.new_full((padded - nonzero.numel(),), -1)])
-    _unpack_kernel[grid](
-        pos, pos if nz is None else nz, _unsigned_view(out), n, layout.plus_one, layout.bits - 1,
-        TERNARY=nz is not None, WORDS=_WORDS_PER_PROGRAM,
+    used = data_words(n)
+    _unpack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
+        positive, positive if nonzero is None else nonzero, _unsigned_view(out), n, used, layout.plus_one,
+        layout.bits - 1, TERNARY=nonzero is not None, WORDS=_WORDS_PER_PROGRAM,
     )  # fmt: skip
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-__all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "words_for", "MASK64"]
+__all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "data_words", "words_for", "MASK64"]
 
 MASK64 = (1 << 64) - 1
 
@@ -41,9 +41,14 @@ FLOAT_LAYOUTS: dict[torch.dtype, FloatLayout] = {
 }
 
 
+def data_words(numel: int) -> int:
+    """64-bit words that hold ``numel`` packed entries (0 for none)."""
+    return -(-numel // 64)
+
+
 def words_for(numel: int) -> int:
-    """64-bit words that ``numel`` packed entries occupy (at least one)."""
-    return max(1, -(-numel // 64))
+    """64-bit words a packed tensor of ``numel`` entries travels in (at least one)."""
+    return max(1, data_words(numel))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,14 +79,31 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def _logical_shr(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Logical right shift of int64 by per-element amounts in [0, 63]."""
+    return (z >> shift) & ~((-1 << (63 - shift)) << 1)
+
+
 def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: int, device=None) -> torch.Tensor:
-    entries = torch.arange(first_entry, first_entry + 64 * words, dtype=torch.int64, device=device)
+    """Word by word: a word inside one segment is two hash words shifted together; only the
+    few words that cross a segment boundary (or the end of the data) go entry by entry."""
     starts = torch.tensor(segments.starts, dtype=torch.int64, device=device)
-    seg = (torch.searchsorted(starts, entries, right=True) - 1).clamp(0, len(segments.keys) - 1)
     keys = torch.tensor([_signed(k & ((1 << 64) - 1)) for k in segments.keys], dtype=torch.int64, device=device)
-    index = entries - starts[seg]
-    seg_key = _mix64(keys[seg] ^ _signed(call_key & ((1 << 64) - 1)))
-    h = _mix64(seg_key + _shr(index, 6) * _signed(_GOLDEN))
-    bits = (h >> (index & 63)) & 1
-    bits = bits.masked_fill_(entries >= segments.numel, 0)
-    return (bits.view(words, 64) * _bit_weights(entries.device)).sum(dim=1)
+    key = _signed(call_key & ((1 << 64) - 1))
+    low_entry = first_entry + 64 * torch.arange(words, dtype=torch.int64, device=device)  # [words]
+    seg = (torch.searchsorted(starts, low_entry, right=True) - 1).clamp(0, len(segments.keys) - 1)
+    index = low_entry - starts[seg]
+    seg_key = _mix64(keys[seg] ^ key)
+    block, offset = _shr(index, 6), index & 63
+    first = _mix64(seg_key + block * _signed(_GOLDEN))
+    second = _mix64(seg_key + (block + 1) * _signed(_GOLDEN))
+    out = _logical_shr(first, offset) | torch.where(offset > 0, second << ((64 - offset) & 63), 0)
+    crossing = (starts[seg + 1] < low_entry + 64).nonzero().view(-1)
+    if crossing.numel():
+        entries = low_entry[crossing].unsqueeze(1) + torch.arange(64, device=device)  # [k, 64]
+        eseg = (torch.searchsorted(starts, entries, right=True) - 1).clamp(0, len(segments.keys) - 1)
+        eindex = entries - starts[eseg]
+        h = _mix64(_mix64(keys[eseg] ^ key) + _shr(eindex, 6) * _signed(_GOLDEN))
+        bits = ((h >> (eindex & 63)) & 1).masked_fill_(entries >= segments.numel, 0)
+        out[crossing] = (bits * _bit_weights(entries.device)).sum(dim=1)
+    return out

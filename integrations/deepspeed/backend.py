@@ -76,10 +76,8 @@ class SignCompressedBackend:
             raise ValueError(f"server_error has {server_error.numel()} entries; it needs worker_error's / world size = {chunk}")
         flat = torch.zeros(padded_size, dtype=worker_error.dtype, device=worker_error.device)
         flat[:original_size] = buffer_m.reshape(-1)
-        flat.add_(worker_error)
-        scale, signs = scaled_sign(flat)
-        worker_error.copy_(flat - scale * signs)
-        encoding = ScaledSignEncoding(kernels_for(flat.device, self.vote_config.kernels), server_error.view(-1))
+        family = kernels_for(flat.device, self.vote_config.kernels)
+        encoding = ScaledSignEncoding(family, worker_error.view(-1), server_error.view(-1))
         result = torch.empty_like(flat)
         ExchangeWork(
             encoding, flat, self.process_group, out=result, two_phase=True, stats=self.stats,
