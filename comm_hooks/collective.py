@@ -6,8 +6,10 @@ or one all-gather for two ranks) is :mod:`~signmuon.comm_hooks.exchange`'s; what
 :mod:`~signmuon.comm_hooks.encoding`'s. Bytes one rank sends in the dense case (M ranks,
 n entries, W = ceil(n/64) words, S = ceil(W/M)):
 
-* two-phase: ``(M-1) * (2S + 6) * 8``, at most ``2(M-1)/M * n/8`` plus headers;
-* all-gather: ``(M-1) * (W + 4) * 8``;
+* two-phase: ``(M-1) * (2S + 6 + 3) * 8``, at most ``2(M-1)/M * n/8`` plus headers;
+* all-gather: ``(M-1) * (W + 4 + 3) * 8``;
+* the ``+ 3`` is the agreement round on entry count, dtype and tag, which the DDP hooks skip
+  per bucket (DDP gives every rank the same buckets);
 * k exact zeros add at most ``4k`` bytes per direction while they are few (a zero list),
   never more than one more bit plane.
 
@@ -53,12 +55,13 @@ __all__ = [
 _DEFAULT = VoteConfig()
 
 
-def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto") -> int:
-    """Bytes one rank sends per dense-case call (no zeros, no exact-mode ties): the formula."""
+def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto", agree_sizes: bool = True) -> int:
+    """Bytes one rank sends per dense-case call (no zeros, no exact-mode ties): the formula
+    (``agree_sizes`` as in :func:`majority_vote`; the DDP hooks vote without it)."""
     two_phase = default_two_phase(algorithm, world_size)
     words = words_for(numel)
     shard = -(-words // world_size) if two_phase else words
-    return exchange_bytes_per_rank(shard, world_size, two_phase)
+    return exchange_bytes_per_rank(shard, world_size, two_phase, agree_sizes)
 
 
 class VoteWork(ExchangeWork):
@@ -87,6 +90,7 @@ class VoteWork(ExchangeWork):
         label: str = "",
         tag: int = 0,
         input_nonfinite: torch.Tensor | None = None,
+        agree_sizes: bool = True,
     ) -> None:
         config = _DEFAULT if config is None else config
         if not isinstance(config, VoteConfig):
@@ -106,7 +110,7 @@ class VoteWork(ExchangeWork):
         )
         super().__init__(
             encoding, flat, group, out=out, two_phase=default_two_phase(config.algorithm, world_size), stats=stats,
-            nonfinite=config.nonfinite, label=label, tag=tag, input_nonfinite=input_nonfinite,
+            nonfinite=config.nonfinite, label=label, tag=tag, input_nonfinite=input_nonfinite, agree_sizes=agree_sizes,
         )  # fmt: skip
 
 
@@ -122,16 +126,20 @@ def majority_vote_async(
     label: str = "",
     tag: int = 0,
     input_nonfinite: torch.Tensor | None = None,
+    agree_sizes: bool = True,
 ) -> VoteWork:
     """Start a vote and return its :class:`VoteWork`; ``.wait()`` gives the voted tensor.
 
     Packing and the first exchange start before this returns, so they overlap with whatever
     the caller does next. Arguments are those of :func:`majority_vote`; ``input_nonfinite``
-    (0-d bool) marks this rank's input as non-finite although ``tensor`` is finite.
+    (0-d bool) marks this rank's input as non-finite although ``tensor`` is finite;
+    ``agree_sizes=False`` skips the round that checks every rank's entry count, dtype and tag
+    before the data travels (pass it only where the sizes are equal by construction: a rank
+    with a different word count would abort the process group).
     """
     return VoteWork(
         tensor, group, config, step=step, segments=segments, out=out, stats=stats, label=label, tag=tag,
-        input_nonfinite=input_nonfinite,
+        input_nonfinite=input_nonfinite, agree_sizes=agree_sizes,
     )  # fmt: skip
 
 
@@ -146,6 +154,7 @@ def majority_vote(
     stats: CommStats | None = None,
     label: str = "",
     tag: int = 0,
+    agree_sizes: bool = True,
 ) -> torch.Tensor:
     """``sign(sum_i sign(tensor_i))`` over the ranks of ``group`` (None = WORLD), on every rank.
 
@@ -161,8 +170,10 @@ def majority_vote(
         stats: a :class:`CommStats` the bytes sent and received are added to.
         label: names the tensor in errors (e.g. ``"bucket 3"``).
         tag: an identity of the call every rank must agree on (e.g. iteration and bucket);
-            ranks that disagree, or pass different sizes or dtypes, raise
-            :class:`VoteMismatchError` on every rank.
+            ranks that disagree, or pass different entry counts or dtypes, raise
+            :class:`VoteMismatchError` on every rank, naming each rank's values (a fixed-size
+            round before the data, so even sizes of different word counts fail cleanly).
+        agree_sizes: ``False`` skips that round where the sizes are equal by construction.
 
     Returns:
         the voted tensor, entries in {-1, 0, +1}, in ``tensor``'s dtype (or ``out``). If any
@@ -170,5 +181,6 @@ def majority_vote(
         ``stats.skipped``) or :class:`NonFiniteError` on every rank (``"raise"``).
     """
     return majority_vote_async(
-        tensor, group, config, step=step, segments=segments, out=out, stats=stats, label=label, tag=tag
-    ).wait()
+        tensor, group, config, step=step, segments=segments, out=out, stats=stats, label=label, tag=tag,
+        agree_sizes=agree_sizes,
+    ).wait()  # fmt: skip

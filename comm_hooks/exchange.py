@@ -23,9 +23,14 @@ encoding's number, e.g. a scale), ``shape`` (entry count and dtype) and ``tag`` 
 identity of the call, e.g. iteration and bucket). Every rank receives a row from every rank,
 so all ranks see the same headers and take the same decisions with no extra round trip: skip
 or raise on non-finite input, and raise :class:`VoteMismatchError` on every rank when ranks
-disagree on shape, dtype or tag (entry counts that differ so much that the rows differ in
-length cannot be detected this way: the process group fails that collective). Step 3's rows
-carry ``code`` and ``value``.
+disagree on shape, dtype or tag. Step 3's rows carry ``code`` and ``value``.
+
+Sizes. Step 1's rows are as long as the tensor needs, so ranks with tensors of different word
+counts would enter it with different sizes, which a process group cannot survive (gloo aborts
+the process, NCCL hangs). Unless the caller knows the sizes agree (a DDP hook: DDP gives every
+rank the same bucket layout), an :func:`agree` round first all-gathers a fixed-size row of
+entry count, dtype and tag, and raises :class:`VoteMismatchError` on every rank naming each
+rank's values. It is one tiny collective, hence one latency, per call.
 
 Reading the headers is the one host synchronisation per exchange step on a GPU: it decides the
 sizes of the optional extras and the skip, which the host must know to issue the next
@@ -35,6 +40,7 @@ order (gloo pairs collectives by issue order; see ``VoteWork``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +56,9 @@ __all__ = [
     "NonFiniteError",
     "Plan",
     "VoteMismatchError",
+    "AGREE_FIELDS",
+    "agree",
+    "gather_rows",
     "group_size_rank",
     "HEADER_WORDS",
     "GATHER_HEADER_WORDS",
@@ -110,6 +119,59 @@ def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+AGREE_FIELDS = 3  # entries, dtype, tag: the words of a vote's agreement round
+
+
+def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> torch.Tensor:
+    """[M, *row.shape]: every rank's ``row`` (an all-gather; ``row`` must have the same shape
+    everywhere); its bytes are added to ``stats``."""
+    world_size, _ = group_size_rank(group)
+    if world_size == 1:
+        return row.unsqueeze(0)
+    if stats is not None:
+        size = (world_size - 1) * row.numel() * row.element_size()
+        stats.add(size, size)
+    rows = row.new_empty(world_size, *row.shape)
+    dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)
+    return rows
+
+
+def agree(
+    fields: Mapping[str, int],
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    device: torch.device | str = "cpu",
+    describe: Mapping[str, Callable[[int], str]] | None = None,
+    stats: CommStats | None = None,
+) -> None:
+    """Raise :class:`VoteMismatchError` on every rank unless every rank passes equal ``fields``.
+
+    One all-gather of ``len(fields)`` int64 words: a fixed size, so ranks that disagree on any
+    size still meet in it, unlike the collective they are about to enter. The error names every
+    rank's values (``describe[name]`` formats a field's word). Call it with the same field
+    names in the same order on every rank (the code at one call site does).
+    """
+    world_size, _ = group_size_rank(group)
+    if world_size == 1:
+        return
+    row = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64, device=device)
+    rows = gather_rows(row, group, stats).tolist()
+    if all(r == rows[0] for r in rows):
+        return
+    names = list(fields)
+    differing = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+    describe = describe or {}
+
+    def shown(name: str, word: int) -> str:
+        return describe[name](word) if name in describe else str(word)
+
+    per_rank = "; ".join(
+        f"rank {rank}: " + ", ".join(f"{n}={shown(n, r[names.index(n)])}" for n in differing) for rank, r in enumerate(rows)
+    )
+    raise VoteMismatchError(f"ranks entered {what} with different {', '.join(differing)} ({per_rank})")
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a tensor of ``numel`` entries is cut: ``parts`` rows of ``part_entries`` entries,
@@ -160,6 +222,9 @@ class ExchangeWork:
     ``ExchangeWork(...)`` encodes and starts step 1; :meth:`exchange` waits for it, reduces this
     rank's part and starts step 3; :meth:`wait` finishes and returns ``out``. A DDP hook
     interleaves the stages of consecutive buckets to overlap them with backward.
+
+    ``agree_sizes=False`` skips the :func:`agree` round; pass it only where every rank's entry
+    count is equal by construction, or a mismatch aborts the process group.
     """
 
     __slots__ = (
@@ -180,8 +245,18 @@ class ExchangeWork:
         label: str = "",
         tag: int = 0,
         input_nonfinite: torch.Tensor | None = None,
+        agree_sizes: bool = True,
     ) -> None:
         world_size, rank = group_size_rank(group)
+        if agree_sizes and world_size > 1:
+            agree(
+                {"entries": flat.numel(), "dtype": _DTYPE_CODES[flat.dtype], "tag": tag & ((1 << 63) - 1)},
+                group,
+                what=label or "the same collective",
+                device=flat.device,
+                describe={"dtype": lambda code: str(_CODE_DTYPES.get(code, "unknown dtype"))},
+                stats=stats,
+            )
         self._encoding, self._group, self._stats = encoding, group, stats
         self._nonfinite, self._label, self._tag, self._out = nonfinite, label, tag & ((1 << 63) - 1), out
         self._device = flat.device
@@ -329,13 +404,15 @@ class ExchangeWork:
         return self._stage == 2
 
 
-def exchange_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool) -> int:
-    """Bytes one rank sends per call when no extras travel (the dense formula)."""
+def exchange_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool, agree_sizes: bool = True) -> int:
+    """Bytes one rank sends per call when no extras travel (the dense formula), with the
+    agreement round's ``AGREE_FIELDS`` words per peer unless ``agree_sizes`` is off."""
     if world_size == 1:
         return 0
+    agreement = AGREE_FIELDS if agree_sizes else 0
     if two_phase:
-        return (world_size - 1) * (2 * plan_words + HEADER_WORDS + GATHER_HEADER_WORDS) * WORD_BYTES
-    return (world_size - 1) * (plan_words + HEADER_WORDS) * WORD_BYTES
+        return (world_size - 1) * (2 * plan_words + HEADER_WORDS + GATHER_HEADER_WORDS + agreement) * WORD_BYTES
+    return (world_size - 1) * (plan_words + HEADER_WORDS + agreement) * WORD_BYTES
 
 
 def default_two_phase(algorithm: str, world_size: int) -> bool:

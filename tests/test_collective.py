@@ -85,7 +85,7 @@ def test_vote_matches_numpy_reference(world_size):
             for r in range(world_size):
                 assert per_rank[r][i][1] == expected, (case, r)
                 assert per_rank[r][i][2] == expected, (case, r)
-            bound = 2 * (world_size - 1) / world_size * -(-case["n"] // 8) + 64 * world_size
+            bound = 2 * (world_size - 1) / world_size * -(-case["n"] // 8) + (64 + 24) * world_size  # + agreement
             assert expected <= bound
 
 
@@ -173,4 +173,4 @@ def test_different_sizes_raise_on_every_rank(world_size, sizes):
         assert messages == ["no error"] * world_size
         return
     for message in messages:
-        assert "different tensors" in message and f"{sizes[-1]} entries" in message, message
+        assert "different entries" in message and f"rank {world_size - 1}: entries={sizes[-1]}" in message, message
