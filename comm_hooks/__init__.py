@@ -8,9 +8,10 @@ from .consistency import (
     check_replicas,
     check_same_settings,
     settings_digest,
+    tensor_fingerprint,
 )
 from .encoding import SignEncoding
-from .exchange import CommStats, ExchangeWork, NonFiniteError, VoteMismatchError, group_size_rank
+from .exchange import CommStats, ExchangeWork, NonFiniteError, VoteMismatchError, agree, gather_rows, group_size_rank
 from .faults import ByzantineFault
 from .kernels import kernels_for
 from .kernels.layout import SignSegments
@@ -51,11 +52,13 @@ __all__ = [
     "VoteMismatchError",
     "VoteWork",
     "WorkerDirections",
+    "agree",
     "allreduce_hook",
     "allreduce_mean",
     "bits_to_bytes",
     "check_replicas",
     "check_same_settings",
+    "gather_rows",
     "group_size_rank",
     "kernels_for",
     "majority_vote",
@@ -71,6 +74,7 @@ __all__ = [
     "settings_digest",
     "sign_muon_hook",
     "sign_vote_hook",
+    "tensor_fingerprint",
     "unpack_signs",
     "unpack_signs_reference",
     "vote_bytes_per_rank",

@@ -162,7 +162,7 @@ def test_divergent_replicas_are_named():
         assert errors[:2] == [None, None], "step 0 checks equal replicas, step 1 does not check"
         assert errors[2].startswith("ReplicaDivergenceError") and "rank(s) [1]" in errors[2]
         assert "shape (3,)" in errors[2]
-        assert "2.bias differs on rank(s) [1]" in standalone
+        assert "2.bias differs in its bits on rank(s) [1]" in standalone
 
 
 def _mismatch_worker(rank, world_size):
