@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .collective import VoteWork, majority_vote_async
 from .config import VoteConfig
 from .consistency import check_replicas, check_same_settings
-from .exchange import CommStats, NonFiniteError, group_size_rank
+from .exchange import CommStats, NonFiniteError, agree, group_size_rank
 from .kernels.layout import SignSegments
 from .packing import nonfinite_flag
 
@@ -67,7 +67,15 @@ class VoteHookState:
     states disagree raise ``VoteMismatchError`` instead of voting different buckets together.
 
     At its first call the hook compares all ranks' settings (one digest all-gather) and
-    raises ``SettingsMismatchError`` on every rank if any differ.
+    raises ``SettingsMismatchError`` on every rank if any differ. At the first bucket of every
+    iteration it compares the iteration counters and that bucket's size (one all-gather of three
+    words), so a rank resumed from a stale state raises ``VoteMismatchError`` on every rank
+    before warm-up all-reduces, votes and replica checks could pair up wrongly.
+
+    ``NonFiniteError`` (``nonfinite="raise"``) leaves training usable: the hook hands DDP a zero
+    gradient for the bucket, so DDP finishes its backward pass normally, and the error is raised
+    from ``loss.backward()`` once DDP is done, the same in warm-up and voting iterations. Catch
+    it, zero the gradients and take the next batch.
     """
 
     __slots__ = (
@@ -80,8 +88,12 @@ class VoteHookState:
         "pending",
         "settings_checked",
         "param_keys",
+        "bucket_calls",
+        "deferred_error",
+        "raise_queued",
         # statistics
         "stats",
+        "raised",
     )
 
     def __init__(
@@ -102,9 +114,13 @@ class VoteHookState:
         self.process_group = process_group
         self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
         self.iter = 0
+        self.bucket_calls = 0  # hook calls so far in this iteration
+        self.deferred_error: NonFiniteError | None = None  # raised once DDP's backward is done
+        self.raise_queued = False  # whether a callback will raise it at the end of backward
         # Votes of this backward pass still in flight, oldest first: (work, DDP's future, finish).
         self.pending: collections.deque[tuple[VoteWork, torch.futures.Future, Callable | None]] = collections.deque()
         self.stats = CommStats()
+        self.raised = 0  # iterations whose backward raised NonFiniteError
 
     def settings(self) -> dict:
         """What must be equal on every rank (compared once, at the first hook call)."""
@@ -116,10 +132,22 @@ class VoteHookState:
 
     def begin_bucket(self, bucket: dist.GradBucket) -> None:
         """Consistency checks at the start of each hook call (collectives on this thread)."""
-        device = bucket.buffer().device
+        flat = bucket.buffer()
+        device = flat.device
         if not self.settings_checked:
             check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
             self.settings_checked = True
+        if self.bucket_calls == 0:
+            agree(
+                {"iteration": self.iter, "bucket": bucket.index(), "entries": flat.numel()},
+                self.process_group,
+                what=f"{type(self).__name__}'s first bucket of an iteration",
+                device=device,
+                stats=self.stats,
+            )
+            if self.nonfinite == "raise":
+                self.raise_queued = _raise_after_backward(self)
+        self.bucket_calls += 1
         if self.check_replicas_every and self.iter % self.check_replicas_every == 0:
             params = bucket.parameters()
             names = [f"bucket {bucket.index()} parameter {j} (shape {tuple(p.shape)})" for j, p in enumerate(params)]
@@ -129,6 +157,14 @@ class VoteHookState:
         # The last bucket is reduced last, so the count moves once per synchronised step.
         if bucket.is_last():
             self.iter += 1
+            self.bucket_calls = 0
+
+    def defer(self, error: NonFiniteError) -> None:
+        """Keep ``error`` to raise after DDP's backward (raising inside DDP would break it)."""
+        if not self.raise_queued:
+            raise error  # not inside a backward pass: nothing to protect
+        if self.deferred_error is None:
+            self.deferred_error = error
 
     def param_key(self, param: torch.Tensor) -> int:
         """A parameter's stable key: its order of first appearance to this state.
@@ -185,6 +221,7 @@ class VoteHookState:
             label=f"bucket {bucket.index()} (iteration {self.iter})",
             tag=(self.iter << 20) | bucket.index(),
             input_nonfinite=input_nonfinite,
+            agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
         )
         grad = bucket.buffer()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
@@ -205,10 +242,10 @@ class VoteHookState:
         try:
             for work, fut, finish in self.pending:
                 if drain or work.exchanged:
-                    voted = work.wait()
+                    voted = self._advance(work, to_end=True)
                     fut.set_result(voted if finish is None else finish(voted))
                 else:
-                    work.exchange()
+                    self._advance(work, to_end=False)
                     remaining.append((work, fut, finish))
         except BaseException as error:
             for _, fut, _ in self.pending:
@@ -218,9 +255,19 @@ class VoteHookState:
             raise
         self.pending = remaining
 
+    def _advance(self, work: VoteWork, to_end: bool) -> torch.Tensor | None:
+        """One stage of ``work`` (or all); a NonFiniteError is deferred and the bucket zeroed."""
+        try:
+            return work.wait() if to_end else work.exchange()
+        except NonFiniteError as error:  # raised on every rank alike; the work is now skipped
+            self.defer(error)
+            return work.wait() if to_end else None
+
     # -- checkpointing -------------------------------------------------------------------
 
-    _UNPICKLED = ("process_group", "pending", "settings_checked", "param_keys")
+    _UNPICKLED = (
+        "process_group", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "raise_queued",
+    )  # fmt: skip
 
     @classmethod
     def _all_slots(cls) -> list[str]:
@@ -236,15 +283,28 @@ class VoteHookState:
         self.pending = collections.deque()
         self.settings_checked = False
         self.param_keys = {}
+        self.bucket_calls = 0
+        self.deferred_error = None
+        self.raise_queued = False
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)
 
     def state_dict(self) -> dict:
-        """Iteration count and statistics."""
-        return {"iter": self.iter, "stats": self.stats.state_dict()}
+        """Iteration count, world size and statistics (plain types and tensors: loads with
+        ``torch.load(..., weights_only=True)``)."""
+        world_size, _ = group_size_rank(self.process_group)
+        return {"iter": self.iter, "world_size": world_size, "stats": self.stats.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict`; raises ValueError if it was saved on another world size."""
+        world_size, _ = group_size_rank(self.process_group)
+        saved = int(state_dict.get("world_size", world_size))
+        if saved != world_size:
+            raise ValueError(
+                f"the hook state was saved by one of {saved} ranks, and {world_size} ranks are loading it: "
+                "each rank's momentum is its own, so resume on the same number of ranks"
+            )
         self.iter = int(state_dict["iter"])
         self.stats.load_state_dict(state_dict["stats"])
 
@@ -335,6 +395,11 @@ class SignVoteState(VoteHookState):
             for key, offset, numel in layout:
                 piece = self.unplaced.pop(key, None)
                 if piece is not None:
+                    if piece.numel() != numel:
+                        raise ValueError(
+                            f"the loaded momentum of parameter {key} has {piece.numel()} entries, the parameter "
+                            f"{numel}: the checkpoint is of another model"
+                        )
                     buf[offset : offset + numel] = piece.reshape(-1)
             self.momentum_buffers[index], self.layouts[index] = buf, layout
         return self.momentum_buffers[index]
@@ -350,9 +415,35 @@ class SignVoteState(VoteHookState):
         return {**super().state_dict(), "momentum": {k: v.detach().clone() for k, v in self._pieces().items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for key, value in state_dict["momentum"].items():
+            if not (torch.is_tensor(value) and value.is_floating_point()):
+                kind = value.dtype if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(f"the checkpoint's momentum of parameter {key} is {kind}; expected a float tensor")
         super().load_state_dict(state_dict)
         self.momentum_buffers, self.layouts = {}, {}
         self.unplaced = {int(k): v.detach().clone() for k, v in state_dict["momentum"].items()}
+
+
+def _raise_after_backward(state: VoteHookState) -> bool:
+    """Queue a check that raises ``state.deferred_error`` after DDP has finished this backward.
+
+    DDP queues its own end-of-backward callback only after the last bucket's hook has run, so a
+    callback queued now runs before DDP's; that one queues the check, which thus runs after it.
+    Returns False outside a backward pass (a hook called by hand), where nothing is queued.
+    """
+    engine = torch.autograd.Variable._execution_engine
+
+    def check() -> None:
+        error, state.deferred_error = state.deferred_error, None
+        if error is not None:
+            state.raised += 1
+            raise error
+
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(check))
+    except RuntimeError:
+        return False
+    return True
 
 
 def allreduce_mean(
@@ -360,12 +451,13 @@ def allreduce_mean(
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     nonfinite: str | None = "skip",
+    on_error: Callable[[NonFiniteError], None] | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP's default reduction (mean all-reduce, in place) as a future; counts ring bytes.
 
     A non-finite mean (identical on every rank) is zeroed and counted in ``stats.skipped``
-    (``nonfinite="skip"``), raises ``NonFiniteError`` (``"raise"``), or is left for the
-    optimizer to handle (``None``).
+    (``nonfinite="skip"``), raises ``NonFiniteError`` (``"raise"``; handed to ``on_error``
+    instead, with the mean zeroed, when given), or is left for the optimizer (``None``).
     """
     world_size, _ = group_size_rank(group)
     if stats is not None:
@@ -376,11 +468,14 @@ def allreduce_mean(
 
     def checked(mean: torch.Tensor) -> torch.Tensor:
         if nonfinite is not None and bool(nonfinite_flag(mean)):
-            if nonfinite == "raise":
-                raise NonFiniteError("NaN or Inf in the all-reduced gradient (some rank's gradient was non-finite)")
             mean.zero_()
             if stats is not None:
                 stats.skipped += 1
+            if nonfinite == "raise":
+                error = NonFiniteError("NaN or Inf in the all-reduced gradient (some rank's gradient was non-finite)")
+                if on_error is None:
+                    raise error
+                on_error(error)
         return mean
 
     if world_size == 1:
@@ -406,7 +501,7 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     state.begin_bucket(bucket)
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
-        return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite)
+        return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
     voter, bad = grad, None
     if state.momentum > 0:
         voter = state.momentum_buffer(bucket, grad)
