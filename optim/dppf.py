@@ -31,10 +31,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from signmuon.comm_hooks import CommStats, check_same_settings
+from signmuon.comm_hooks import (
+    CommStats,
+    NonFiniteError,
+    agree,
+    check_same_settings,
+    gather_rows,
+    nonfinite_flag,
+    settings_digest,
+)
 
 __all__ = ["DPPFAverager", "local_sgd", "DISTANCES"]
 
@@ -77,10 +84,19 @@ class DPPFAverager(ModelAverager):
             each tensor on its own (each moves ``push`` away from its own average).
         track_distances: gather every worker's r_i each round (a tiny all-gather) for the
             statistics ``mean_distance`` / ``max_distance``; off leaves them at this rank's r_i.
+        nonfinite: what a round does when some rank's parameters (or averaged buffers) hold NaN
+            or Inf: ``"skip"`` skips the round on every rank (counted in ``stats.skipped``), so no
+            replica averages the bad one in; ``"raise"`` raises ``NonFiniteError`` on every rank.
+
+    Each round starts with two small all-gathers that make it safe against what differs between
+    ranks: the step counter, parameter count and shapes must agree (else ``VoteMismatchError``
+    on every rank, rather than a collective of mismatched sizes), and every rank learns which
+    parameters have a gradient on any rank (those take part everywhere, so a parameter unused on
+    one rank only is still averaged consistently) and which ranks hold non-finite values.
 
     Statistics (read them off the object): ``rounds``, ``mean_distance``, ``max_distance``
     (worker distance to x_bar at the last round, before the update: the measured valley
-    width), ``stats`` (bytes all-reduced, a :class:`CommStats`).
+    width), ``stats`` (bytes all-reduced, a :class:`CommStats`; ``stats.skipped``: rounds skipped).
     """
 
     def __init__(
@@ -96,13 +112,16 @@ class DPPFAverager(ModelAverager):
         module: nn.Module | None = None,
         distance: str = "model",
         track_distances: bool = True,
+        nonfinite: str = "skip",
     ) -> None:
         self.period = _check_int("period", period, 1)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         if not 0.0 <= pull <= 1.0:
             raise ValueError(f"pull={pull} must be in [0, 1]: beyond 1 a worker overshoots the average")
-        if not push >= 0.0:
-            raise ValueError(f"push={push} must be >= 0")
+        if not (push >= 0.0 and math.isfinite(push)):
+            raise ValueError(f"push={push} must be finite and >= 0")
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite={nonfinite!r} must be 'skip' or 'raise'")
         if not eps > 0.0:
             raise ValueError(f"eps={eps} must be > 0")
         if distance not in DISTANCES:
@@ -115,6 +134,7 @@ class DPPFAverager(ModelAverager):
         self.module = module
         self.distance = distance
         self.track_distances = bool(track_distances)
+        self.nonfinite = nonfinite
         self.rounds = 0
         self.mean_distance = float("nan")
         self.max_distance = float("nan")
@@ -129,18 +149,57 @@ class DPPFAverager(ModelAverager):
     def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
         """Called after every optimizer step; runs a pull-push round when one is due.
 
-        As torch's averagers do, only parameters that have a gradient take part.
+        As torch's averagers do, only parameters that have a gradient take part, here those
+        with a gradient on any rank (so every rank averages the same set).
         """
         if not self._settings_checked:
             check_same_settings(self._settings(), self.process_group, what="DPPFAverager settings")
             self._settings_checked = True
         if self.is_round():
-            self._round(averaging_utils.get_params_to_average(params))
+            params = self._agreed_params(_all_params(params))
+            if params is not None:
+                self._round(params)
         self.step += 1
 
     def _settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
-                                                        "average_buffers", "track_distances")}  # fmt: skip
+                                                        "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
+
+    @torch.no_grad()
+    def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The parameters every rank averages this round, or None when the round is skipped."""
+        group = self.process_group
+        if dist._rank_not_in_group(group):
+            return None
+        device = params[0].device if params else "cpu"
+        layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
+        agree(
+            {"step": self.step, "parameters": len(params), "layout": layout}, group, what="a DPPF round", device=device,
+            stats=self.stats,
+        )  # fmt: skip
+        buffers = self._buffers()
+        # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then the buffers' row.
+        flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
+        if params:
+            flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
+            flags[:-1, 1] = torch.stack([nonfinite_flag(p.detach()).to(device) for p in params])
+        if buffers:
+            flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
+        gathered = gather_rows(flags, group, self.stats).bool()  # [M, P + 1, 2]
+        used = gathered[:, :-1, 0].any(dim=0)  # [P]
+        bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
+        bad_ranks = bad.nonzero().view(-1).tolist()
+        if bad_ranks:
+            self.stats.skipped += 1
+            if self.nonfinite == "raise":
+                raise NonFiniteError(f"NaN or Inf in the parameters of rank(s) {bad_ranks} at DPPF round (step {self.step})")
+            return None
+        return [p for p, u in zip(params, used.tolist()) if u]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        if not (self.average_buffers and self.module is not None):
+            return []
+        return [b for b in self.module.buffers() if b.is_floating_point()]
 
     @torch.no_grad()
     def _round(self, params: list[torch.Tensor]) -> None:
@@ -186,8 +245,7 @@ class DPPFAverager(ModelAverager):
         return radii
 
     def _average_buffers(self, world_size: int) -> None:
-        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        for tensors in _by_dtype_and_device(buffers):
+        for tensors in _by_dtype_and_device(self._buffers()):
             flat = _mean_all_reduce(torch.cat([b.reshape(-1) for b in tensors]), self.process_group, world_size, self.stats)
             offset = 0
             for b in tensors:
@@ -252,6 +310,15 @@ class DPPFAverager(ModelAverager):
         self.mean_distance = float(state["mean_distance"])
         self.max_distance = float(state["max_distance"])
         self.stats.load_state_dict(state["stats"])
+
+
+def _all_params(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:
+    """Every parameter of ``params`` (tensors or param groups), in order, each once."""
+    found: dict[torch.Tensor, None] = {}
+    for item in params:
+        for p in item["params"] if isinstance(item, dict) else [item]:
+            found.setdefault(p, None)
+    return list(found)
 
 
 def _by_dtype_and_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:

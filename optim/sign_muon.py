@@ -39,8 +39,10 @@ from signmuon.comm_hooks import (
     SignMuonHookState,
     SignSegments,
     VoteConfig,
+    VoteMismatchError,
     allreduce_mean,
     check_same_settings,
+    gather_rows,
     group_size_rank,
     majority_vote,
     nonfinite_flag,
@@ -162,6 +164,7 @@ class SignMuon(torch.optim.Optimizer):
         self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
         self._comm_state: SignMuonHookState | None = None
         self._hook_iter_seen = 0
+        self._hook_raised_seen = 0
         self._settings_checked = False  # vote_in_step: compared across ranks at the first step
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
         defaults = dict(
@@ -187,6 +190,7 @@ class SignMuon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group)
+        self._settings_checked = False  # the new shapes are compared at the next step
         names = group.get("param_names") or [None] * len(group["params"])
         for index, (p, name) in enumerate(zip(group["params"], names)):
             label = name or f"parameter {index} of group {len(self.param_groups) - 1} (shape {tuple(p.shape)})"
@@ -194,6 +198,13 @@ class SignMuon(torch.optim.Optimizer):
                 path = parameter_path(p, group["use_muon"], group["non_matrix"])
             except ValueError as error:
                 raise ValueError(f"{label}: {error}") from None
+            if p.layout != torch.strided:
+                raise ValueError(f"{label} is a {p.layout} tensor; {type(self).__name__} needs dense parameters")
+            if path == "matrix" and p.numel() == 0:
+                raise ValueError(
+                    f"{label} is an empty matrix: Newton–Schulz has nothing to orthogonalise; "
+                    "leave it out of the optimizer or put it in a group with use_muon=False"
+                )
             self._paths[p] = (len(self.param_groups) - 1, path)
             # Eager, rank-symmetric state: the same keys and shapes everywhere from step 0.
             state = self.state[p]
@@ -270,7 +281,8 @@ class SignMuon(torch.optim.Optimizer):
             for g in self.param_groups
         ]
         return {"optimizer": type(self).__name__, "vote": self.vote_config.settings(),
-                "vote_in_step": self.vote_in_step, "groups": groups}  # fmt: skip
+                "vote_in_step": self.vote_in_step, "checkpoint_all_ranks": self.checkpoint_all_ranks,
+                "groups": groups}  # fmt: skip
 
     # -- DDP hook --------------------------------------------------------------------------
 
@@ -280,6 +292,7 @@ class SignMuon(torch.optim.Optimizer):
         if self._comm_state is None:
             self._comm_state = SignMuonHookState(self, self.process_group, vote=self.vote_config)
             self._comm_state.iter = self._hook_iter_seen = self.steps_taken
+            self._hook_raised_seen = 0
         return self._comm_state
 
     def register_comm_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> SignMuonHookState:
@@ -288,7 +301,11 @@ class SignMuon(torch.optim.Optimizer):
         return self.comm_state
 
     def _check_hook_ran(self) -> None:
-        ran = self._comm_state.iter - self._hook_iter_seen
+        # Backward passes that raised NonFiniteError (caught by the user) left zero gradients.
+        raised = self._comm_state.raised - self._hook_raised_seen
+        ran = self._comm_state.iter - self._hook_iter_seen - raised
+        if ran == 0 and raised:
+            ran = 1  # a step on the zeroed gradients of a failed backward moves nothing voted
         if ran == 0:
             raise RuntimeError(
                 "SignMuon.step(): sign_muon_hook has not run since the last step; call backward() "
@@ -301,6 +318,7 @@ class SignMuon(torch.optim.Optimizer):
                 "ddp_model.no_sync()"
             )
         self._hook_iter_seen = self._comm_state.iter
+        self._hook_raised_seen = self._comm_state.raised
 
     # -- step ------------------------------------------------------------------------------
 
@@ -323,9 +341,18 @@ class SignMuon(torch.optim.Optimizer):
             device = self.param_groups[0]["params"][0].device
             check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
             self._settings_checked = True
-        entries = [
-            (*self._route(p), p) for group in self.param_groups for p in group["params"] if p.grad is not None
-        ]  # (group, path, param)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {type(self).__name__} "
+                    "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
+                )
+        if not hook_mode and world_size > 1:
+            params = self._used_on_any_rank(params)
+        else:
+            params = [p for p in params if p.grad is not None]
+        entries = [(*self._route(p), p) for p in params]  # (group, path, param)
         voted = [(g, p, path) for g, path, p in entries if path != "adamw"]
         averaged = [(g, p, path) for g, path, p in entries if path == "adamw"]
         if hook_mode:
@@ -333,8 +360,11 @@ class SignMuon(torch.optim.Optimizer):
             signs = [torch.sign(p.grad) for _, p, _ in voted]
             means = [p.grad for _, p, _ in averaged]
         else:
-            signs = self._vote([self.local_direction(p, p.grad) for _, p, _ in voted])
-            means = self._average([p.grad for _, p, _ in averaged])
+            # A rank without a gradient for a parameter others train abstains (votes 0, adds 0).
+            directions = [torch.zeros_like(p) if p.grad is None else self.local_direction(p, p.grad) for _, p, _ in voted]
+            signs = self._vote(directions)
+            means = self._average([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
+        self._check_means(averaged, means)
         for (group, p, path), s in zip(voted, signs):
             update = self._post_vote(group, s, path)
             if group["weight_decay"]:
@@ -344,6 +374,29 @@ class SignMuon(torch.optim.Optimizer):
             self._adamw_update(group, p, g, self.state[p])
         self.steps_taken += 1
         return loss
+
+    def _used_on_any_rank(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` with a gradient on some rank (the same list on every rank), after checking
+        that every rank is at the same step: one all-gather of 1 + P words."""
+        device = params[0].device if params else "cpu"
+        row = torch.tensor([self.steps_taken] + [p.grad is not None for p in params], dtype=torch.int64, device=device)
+        rows = gather_rows(row, self.process_group, self.stats)  # [M, 1 + P]
+        steps = rows[:, 0].tolist()
+        if len(set(steps)) > 1:
+            raise VoteMismatchError(
+                f"{type(self).__name__}.step() entered at different steps ("
+                + "; ".join(f"rank {r}: step {s}" for r, s in enumerate(steps)) + "): resume every rank from the same checkpoint"
+            )
+        used = rows[:, 1:].any(dim=0).tolist()
+        return [p for p, u in zip(params, used) if u]
+
+    def _check_means(self, averaged: list, means: list[torch.Tensor]) -> None:
+        """Before any AdamW parameter moves: a non-finite mean gradient raises (``"raise"``)."""
+        if self.vote_config.nonfinite != "raise":
+            return
+        for (_, p, _), g in zip(averaged, means):
+            if bool(nonfinite_flag(g)):
+                raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}")
 
     def _vote(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
         """One vote for all directions (flattened together), split back per parameter."""
@@ -358,6 +411,7 @@ class SignMuon(torch.optim.Optimizer):
         majority_vote(
             flat, self.process_group, self.vote_config, step=self.steps_taken, segments=segments, out=flat,
             stats=self.stats, label=f"SignMuon step {self.steps_taken}", tag=self.steps_taken,
+            agree_sizes=False,  # the voted list is agreed by _used_on_any_rank, its shapes by settings()
         )  # fmt: skip
         return [chunk.view_as(d) for chunk, d in zip(flat.split([d.numel() for d in directions]), directions)]
 
@@ -371,10 +425,35 @@ class SignMuon(torch.optim.Optimizer):
 
     # -- checkpointing ---------------------------------------------------------------------
 
+    def _check_loaded_state(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError now, not at the next step, if the saved state does not fit."""
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        saved_state = state_dict.get("state", {})
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {g} has {len(saved['params'])} parameters in the checkpoint, {len(group['params'])} here"
+                )
+            for index, p in zip(saved["params"], group["params"]):
+                expected = self.state[p]
+                got = saved_state.get(index, {})
+                label = f"parameter {index} (shape {tuple(p.shape)}, group {g})"
+                if set(got) != set(expected):
+                    raise ValueError(f"{label}: the checkpoint's state has keys {sorted(got)}, expected {sorted(expected)}")
+                for key, value in expected.items():
+                    loaded = got[key]
+                    if not torch.is_tensor(loaded) or loaded.shape != value.shape:
+                        shape = tuple(loaded.shape) if torch.is_tensor(loaded) else type(loaded).__name__
+                        raise ValueError(f"{label}: the checkpoint's {key} is {shape}, expected shape {tuple(value.shape)}")
+                    if not loaded.is_floating_point():
+                        raise ValueError(f"{label}: the checkpoint's {key} has dtype {loaded.dtype}, expected a float dtype")
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["signmuon"] = {"steps_taken": self.steps_taken}
         world_size, _ = group_size_rank(self.process_group)
+        state["signmuon"] = {"steps_taken": self.steps_taken, "world_size": world_size}
         if self.checkpoint_all_ranks and world_size > 1:
             # The momentum is each worker's own (it runs before the vote): keep every rank's.
             gathered: list[Any] = [None] * world_size
@@ -383,18 +462,23 @@ class SignMuon(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()``, after checking it fits: same world size (the momentum is each
+        rank's own), and per parameter the same state keys, shapes and floating dtypes."""
         extra = state_dict.get("signmuon", {"steps_taken": 0})
         state_dict = {k: v for k, v in state_dict.items() if k != "signmuon"}
+        world_size, rank = group_size_rank(self.process_group)
+        saved_world = len(extra["rank_states"]) if "rank_states" in extra else extra.get("world_size", world_size)
+        if saved_world != world_size:
+            raise ValueError(
+                f"the checkpoint holds the local state of {saved_world} rank(s), but {world_size} rank(s) are "
+                "loading it: each rank's momentum is its own, so resume on the same number of ranks"
+            )
         if "rank_states" in extra:
-            world_size, rank = group_size_rank(self.process_group)
-            if len(extra["rank_states"]) != world_size:
-                raise ValueError(
-                    f"the checkpoint holds the local state of {len(extra['rank_states'])} ranks, but "
-                    f"{world_size} ranks are loading it; resume on the same number of ranks"
-                )
             state_dict["state"] = extra["rank_states"][rank]
+        self._check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
         self.steps_taken = int(extra["steps_taken"])
         self._hook_iter_seen = self.steps_taken
         if self._comm_state is not None:
             self._comm_state.iter = self.steps_taken
+            self._hook_raised_seen = self._comm_state.raised
