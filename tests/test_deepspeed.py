@@ -141,6 +141,8 @@ def test_config_without_our_types_is_plain_deepspeed():
         (_config(bf16={"enabled": True}), "bf16.*matrix shapes"),
         (_config(optimizer_type="SIGNUMMV") | {"optimizer": {"type": "SIGNUMMV", "params": {"polar_after_vote": True}}},
          r"unknown params \['polar_after_vote'\] for optimizer SIGNUMMV"),
+        (_config(csv_monitor={"enabled": True, "output_path": "logs", "job_name": "../x"}), "csv_monitor.job_name='../x'"),
+        (_config(tensorboard={"enabled": True, "job_name": "/tmp/x"}), "plain directory name"),
     ],
 )  # fmt: skip
 def test_refused_configs(config, match):

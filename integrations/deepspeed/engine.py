@@ -39,6 +39,23 @@ def _load_config(config: str | os.PathLike | dict | None) -> dict[str, Any]:
         return json.load(f)
 
 
+_MONITORS = ("csv_monitor", "tensorboard", "wandb", "comet")
+
+
+def _check_monitor_names(config: dict[str, Any]) -> None:
+    """A monitor's ``job_name`` becomes a directory under its ``output_path``: keep it there."""
+    for section in _MONITORS:
+        job = config.get(section, {}).get("job_name") if isinstance(config.get(section), dict) else None
+        if job is None:
+            continue
+        job = str(job)
+        if not job or os.path.isabs(job) or "/" in job or "\\" in job or job in (".", ".."):
+            raise ValueError(
+                f"{section}.job_name={job!r} must be a plain directory name: DeepSpeed joins it to "
+                "output_path, so a path there writes outside the configured directory"
+            )
+
+
 def valid_params(optimizer_class: type[SignMuon]) -> list[str]:
     """The ``"params"`` keys a config may give ``optimizer_class``."""
     names = inspect.signature(optimizer_class.__init__).parameters
@@ -88,6 +105,14 @@ def initialize(
     our types that clips each worker's local gradient before its momentum. Set it to 0 for the
     exact math of the DDP hook.
 
+    Refused for any config: a monitor ``job_name`` (``csv_monitor``, ``tensorboard``, ``wandb``,
+    ``comet``) that is a path rather than a name, since DeepSpeed would write outside its
+    ``output_path``.
+
+    ``engine.load_checkpoint`` unpickles its files (``torch.load(weights_only=False)``): load
+    only checkpoints you wrote, or save our own per-rank files, which load with
+    ``weights_only=True`` (docs/reliability.md).
+
     Supported with our types: ZeRO stage 0 in fp32 (use ``torch.autocast`` for low-precision
     compute); ZeRO >= 1, fp16 and bf16 (whose DeepSpeed optimizers flatten the parameters)
     are refused here with the reason and what to use instead. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep
@@ -96,8 +121,9 @@ def initialize(
     Returns:
         DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``.
     """
-    deepspeed = _deepspeed()
     loaded = _load_config(config)
+    _check_monitor_names(loaded)
+    deepspeed = _deepspeed()
     spec = loaded.get("optimizer")
     name = str(spec.get("type", "")) if isinstance(spec, dict) else ""
     optimizer_class = OPTIMIZER_TYPES.get(name.lower())
