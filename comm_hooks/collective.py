@@ -91,6 +91,7 @@ class VoteWork(ExchangeWork):
         tag: int = 0,
         input_nonfinite: torch.Tensor | None = None,
         agree_sizes: bool = True,
+        first_entry: int | None = None,
     ) -> None:
         config = _DEFAULT if config is None else config
         if not isinstance(config, VoteConfig):
@@ -100,13 +101,17 @@ class VoteWork(ExchangeWork):
             out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         elif out.shape != tensor.shape or not out.is_contiguous() or not out.is_floating_point():
             raise ValueError(f"out must be a contiguous float tensor shaped {tuple(tensor.shape)}")
-        if segments is not None and segments.numel != flat.numel():
+        # first_entry: the tensor is entries first_entry.. of the one segments describe (a slice).
+        if segments is not None and first_entry is None and segments.numel != flat.numel():
             raise ValueError(f"segments cover {segments.numel} entries, the tensor has {flat.numel()}")
+        if segments is not None and first_entry is not None and segments.numel < first_entry + flat.numel():
+            raise ValueError(f"segments cover {segments.numel} entries, the slice ends at {first_entry + flat.numel()}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (it keys the tie-break coins)")
         world_size, _ = group_size_rank(group)
         encoding = SignEncoding(
-            kernels_for(flat.device, config.kernels), config.tie, call_key(config.seed, step), segments, config.fault
+            kernels_for(flat.device, config.kernels), config.tie, call_key(config.seed, step), segments, config.fault,
+            first_entry or 0,
         )
         super().__init__(
             encoding, flat, group, out=out, two_phase=default_two_phase(config.algorithm, world_size), stats=stats,

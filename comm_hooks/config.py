@@ -43,6 +43,15 @@ class VoteConfig:
     """Pack/vote/unpack kernels: ``"auto"`` takes numba for CPU tensors and Triton for CUDA
     tensors (an ``ImportError`` naming the extra if it is missing); ``"torch"`` takes the
     slower device-agnostic torch operations."""
+    hierarchical: bool = False
+    """Node-aware vote: gradients are averaged in full precision inside each node (fast links),
+    and only the signs of the node means are voted between nodes, one bit per entry, each rank
+    voting 1/L of the tensor with the ranks of its local index on the other nodes. The voters
+    are the N nodes. Flat when there is one node or one rank per node. docs/design.md has the
+    schedule and byte formulas."""
+    ranks_per_node: int | None = None
+    """L, the ranks per node for ``hierarchical``; ``None`` reads torchrun's ``LOCAL_WORLD_SIZE``
+    and checks that ranks are numbered node by node."""
     fault: ByzantineFault | None = None
     """Testing only: ranks that send wrong signs (see ``ByzantineFault``)."""
 
@@ -53,6 +62,13 @@ class VoteConfig:
         _choice("kernels", self.kernels, KERNELS, "names no kernel family")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative int (it keys the tie-break coins)")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical={self.hierarchical!r} must be a bool")
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(f"ranks_per_node={rpn!r} must be None (from LOCAL_WORLD_SIZE) or an int >= 1")
+        if rpn is not None and not self.hierarchical:
+            raise ValueError(f"ranks_per_node={rpn} is only used with hierarchical=True")
         if self.fault is not None and not isinstance(self.fault, ByzantineFault):
             raise TypeError(f"fault must be a ByzantineFault or None, got {type(self.fault).__name__}")
 
@@ -60,7 +76,8 @@ class VoteConfig:
         """What must agree across ranks, as plain values (for the settings digest)."""
         fault = None if self.fault is None else (self.fault.ranks, self.fault.mode, self.fault.seed)
         return {"tie": self.tie, "seed": self.seed, "algorithm": self.algorithm, "nonfinite": self.nonfinite,
-                "kernels": self.kernels, "fault": fault}  # fmt: skip
+                "kernels": self.kernels, "hierarchical": self.hierarchical, "ranks_per_node": self.ranks_per_node,
+                "fault": fault}  # fmt: skip
 
     @classmethod
     def from_dict(cls, values: dict) -> "VoteConfig":

@@ -123,9 +123,11 @@ class SignEncoding:
         call_key: this call's tie-break key (:func:`call_key` of seed and step).
         segments: how the tensor splits into keyed pieces for the tie coins (default: one).
         fault: testing only: Byzantine ranks.
+        first_entry: the tensor is entries ``first_entry ..`` of the one ``segments`` describe
+            (a node-aware vote's slice), so its coins are those of the same entries voted whole.
     """
 
-    __slots__ = ("kernels", "tie", "key", "segments", "fault")
+    __slots__ = ("kernels", "tie", "key", "segments", "fault", "first_entry")
 
     def __init__(
         self,
@@ -134,8 +136,10 @@ class SignEncoding:
         call_key: int,
         segments: SignSegments | None = None,
         fault: ByzantineFault | None = None,
+        first_entry: int = 0,
     ) -> None:
         self.kernels, self.tie, self.key, self.segments, self.fault = kernels, tie, call_key, segments, fault
+        self.first_entry = first_entry
 
     def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
         words = words_for(numel)
@@ -173,7 +177,8 @@ class SignEncoding:
         tie = None
         if self.tie == "fast":
             segments = self.segments or SignSegments.whole(plan.numel)
-            tie = self.kernels.tie_words(segments, self.key, part * plan.part_entries, plan.words, device)
+            first = self.first_entry + part * plan.part_entries
+            tie = self.kernels.tie_words(segments, self.key, first, plan.words, device)
         voted_pos, voted_nz = self.kernels.vote(rows, planes, dense, tie)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         can_have_zeros = planes is not None or (self.tie == "exact" and len(codes) % 2 == 0)

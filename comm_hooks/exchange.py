@@ -86,19 +86,33 @@ class VoteMismatchError(ValueError):
 
 
 class CommStats:
-    """Calls, bytes sent and received, and calls skipped for non-finite input."""
+    """Calls, bytes sent and received, and calls skipped for non-finite input.
 
-    __slots__ = ("calls", "bytes_sent", "bytes_received", "skipped")
+    ``bytes_sent`` counts everything this rank sent; the node-aware vote also counts what it
+    sent inside its node in ``bytes_sent_inside_node`` (the rest crossed between nodes:
+    :attr:`bytes_sent_between_nodes`).
+    """
+
+    __slots__ = ("calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node")
 
     def __init__(self) -> None:
         self.calls = 0
         self.bytes_sent = 0
         self.bytes_received = 0
         self.skipped = 0
+        self.bytes_sent_inside_node = 0
+        self.bytes_received_inside_node = 0
 
-    def add(self, sent: int, received: int) -> None:
+    def add(self, sent: int, received: int, inside_node: bool = False) -> None:
         self.bytes_sent += sent
         self.bytes_received += received
+        if inside_node:
+            self.bytes_sent_inside_node += sent
+            self.bytes_received_inside_node += received
+
+    @property
+    def bytes_sent_between_nodes(self) -> int:
+        return self.bytes_sent - self.bytes_sent_inside_node
 
     def state_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}

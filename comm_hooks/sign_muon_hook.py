@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from .config import VoteConfig
+from .hierarchy import vote_owned, world_mean
 from .sign_vote_hook import VoteHookState, allreduce_mean
+from .topology import NodeLayout
 
 __all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
 
@@ -33,6 +35,9 @@ class WorkerDirections(Protocol):
 
     def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Advance ``param``'s momentum with this worker's ``grad``; return the direction to vote."""
+
+    def owner(self, param: torch.Tensor, ranks_per_node: int) -> int:
+        """The local rank that owns ``param``'s momentum in the node-aware vote (fixed per optimizer)."""
 
 
 class SignMuonHookState(VoteHookState):
@@ -84,6 +89,9 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
     opt = state.optimizer
     params, grads = bucket.parameters(), bucket.gradients()  # grads: views into `grad`
     voted = [opt.votes(p) for p in params]
+    layout = state.node_layout()
+    if layout is not None:
+        return _node_aware(state, bucket, layout, voted)
     for p, g, v in zip(params, grads, voted):
         if v:
             g.copy_(opt.local_direction(p, g))
@@ -111,3 +119,38 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
         return grad
 
     return state.vote(bucket, flat_vote, out=flat_vote, finish=finish, voted=voted)
+
+
+def _node_aware(
+    state: SignMuonHookState, bucket: dist.GradBucket, layout: NodeLayout, voted: list[bool]
+) -> torch.futures.Future[torch.Tensor]:
+    """SignMuon with ``VoteConfig(hierarchical=True)``: the node's mean gradient, each matrix's
+    momentum and Newton–Schulz on the one local rank that owns it, signs voted between nodes.
+
+    Done before the hook returns (no pipelining across buckets): the node's all-reduce and the
+    owners' Newton–Schulz must finish before the vote can start anyway.
+    """
+    state.advance_pending(drain=True)  # flat buckets of an earlier layout, if any
+    opt = state.optimizer
+    params, grads = bucket.parameters(), bucket.gradients()
+    vote_idx = [j for j, v in enumerate(voted) if v]
+    label, tag = f"bucket {bucket.index()} (iteration {state.iter})", (state.iter << 20) | bucket.index()
+    vote_owned(
+        [grads[j] for j in vote_idx],
+        lambda i, mean: opt.local_direction(params[vote_idx[i]], mean),
+        [opt.owner(params[j], layout.ranks_per_node) for j in vote_idx],
+        [state.param_key(params[j]) for j in vote_idx],
+        layout, state.vote_config, step=state.iter, stats=state.stats, label=label, tag=tag,
+        on_nonfinite=state.defer,
+    )  # fmt: skip
+    averaged = [grads[j] for j, v in enumerate(voted) if not v]
+    if averaged:
+        flat = torch.cat([g.reshape(-1) for g in averaged])
+        world_mean(flat, layout, state.stats)  # SignMuon's AdamW path checks finiteness
+        for g, mean in zip(averaged, flat.split([g.numel() for g in averaged])):
+            g.copy_(mean.view_as(g))
+    state.maybe_increase_iter(bucket)
+    grad = bucket.buffer()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
+    fut.set_result(grad)
+    return fut

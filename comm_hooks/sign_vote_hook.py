@@ -39,6 +39,8 @@ from .collective import VoteWork, majority_vote_async
 from .config import VoteConfig
 from .consistency import check_replicas, check_same_settings
 from .exchange import CommStats, NonFiniteError, agree, group_size_rank
+from .hierarchy import NodeVoteWork
+from .topology import NodeLayout, node_layout
 from .kernels.layout import SignSegments
 from .packing import nonfinite_flag
 
@@ -91,6 +93,7 @@ class VoteHookState:
         "bucket_calls",
         "deferred_error",
         "raise_queued",
+        "layout",
         # statistics
         "stats",
         "raised",
@@ -117,6 +120,7 @@ class VoteHookState:
         self.bucket_calls = 0  # hook calls so far in this iteration
         self.deferred_error: NonFiniteError | None = None  # raised once DDP's backward is done
         self.raise_queued = False  # whether a callback will raise it at the end of backward
+        self.layout: NodeLayout | None = None  # node and rail groups (hierarchical), made at the first call
         # Votes of this backward pass still in flight, oldest first: (work, DDP's future, finish).
         self.pending: collections.deque[tuple[VoteWork, torch.futures.Future, Callable | None]] = collections.deque()
         self.stats = CommStats()
@@ -130,6 +134,15 @@ class VoteHookState:
     def nonfinite(self) -> str:
         return self.vote_config.nonfinite
 
+    def node_layout(self) -> NodeLayout | None:
+        """The node layout of the node-aware vote, or None for the flat vote (also when there is
+        one node or one rank per node). Made at the first call, on every rank alike."""
+        if not self.vote_config.hierarchical:
+            return None
+        if self.layout is None:
+            self.layout = node_layout(self.process_group, self.vote_config.ranks_per_node)
+        return None if self.layout.flat else self.layout
+
     def begin_bucket(self, bucket: dist.GradBucket) -> None:
         """Consistency checks at the start of each hook call (collectives on this thread)."""
         flat = bucket.buffer()
@@ -138,6 +151,7 @@ class VoteHookState:
             check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
             self.settings_checked = True
         if self.bucket_calls == 0:
+            self.node_layout()
             agree(
                 {"iteration": self.iter, "bucket": bucket.index(), "entries": flat.numel()},
                 self.process_group,
@@ -202,27 +216,39 @@ class VoteHookState:
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         voted: list[bool] | None = None,
         input_nonfinite: torch.Tensor | None = None,
+        prepare: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
 
         ``finish`` maps the voted tensor to the bucket's final tensor (default: the vote);
         ``voted`` marks which of the bucket's parameters ``voter`` holds (default: all);
         ``input_nonfinite`` (0-d bool) flags a non-finite gradient behind a finite ``voter``.
+        Node-aware (``VoteConfig(hierarchical=True)``): ``voter`` is the gradient, averaged in
+        the node first, and ``prepare`` maps that node mean to (what to vote, non-finite flag).
         """
         self.advance_pending()
-        work = majority_vote_async(
-            voter,
-            self.process_group,
-            self.vote_config,
-            step=self.iter,
-            segments=self.segments(bucket, voted),
-            out=out,
-            stats=self.stats,
-            label=f"bucket {bucket.index()} (iteration {self.iter})",
-            tag=(self.iter << 20) | bucket.index(),
-            input_nonfinite=input_nonfinite,
-            agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
-        )
+        layout = self.node_layout()
+        label, tag = f"bucket {bucket.index()} (iteration {self.iter})", (self.iter << 20) | bucket.index()
+        work: VoteWork | NodeVoteWork
+        if layout is not None:
+            work = NodeVoteWork(
+                voter, layout, self.vote_config, out=out, step=self.iter, segments=self.segments(bucket, voted),
+                stats=self.stats, label=label, tag=tag, prepare=prepare,
+            )  # fmt: skip
+        else:
+            work = majority_vote_async(
+                voter,
+                self.process_group,
+                self.vote_config,
+                step=self.iter,
+                segments=self.segments(bucket, voted),
+                out=out,
+                stats=self.stats,
+                label=label,
+                tag=tag,
+                input_nonfinite=input_nonfinite,
+                agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
+            )
         grad = bucket.buffer()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
         self.pending.append((work, fut, finish))
@@ -255,7 +281,7 @@ class VoteHookState:
             raise
         self.pending = remaining
 
-    def _advance(self, work: VoteWork, to_end: bool) -> torch.Tensor | None:
+    def _advance(self, work: VoteWork | NodeVoteWork, to_end: bool) -> torch.Tensor | None:
         """One stage of ``work`` (or all); a NonFiniteError is deferred and the bucket zeroed."""
         try:
             return work.wait() if to_end else work.exchange()
@@ -267,6 +293,7 @@ class VoteHookState:
 
     _UNPICKLED = (
         "process_group", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "raise_queued",
+        "layout",
     )  # fmt: skip
 
     @classmethod
@@ -286,6 +313,7 @@ class VoteHookState:
         self.bucket_calls = 0
         self.deferred_error = None
         self.raise_queued = False
+        self.layout = None
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)
@@ -502,6 +530,12 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
         return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
+    if state.node_layout() is not None:  # momentum on the node's mean gradient
+        prepare = None
+        if state.momentum > 0:
+            buf = state.momentum_buffer(bucket, grad)
+            prepare = lambda mean: (buf, advance_momentum(buf, mean, state.momentum))  # noqa: E731
+        return state.vote(bucket, grad, out=grad, prepare=prepare)
     voter, bad = grad, None
     if state.momentum > 0:
         voter = state.momentum_buffer(bucket, grad)

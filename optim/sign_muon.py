@@ -45,8 +45,14 @@ from signmuon.comm_hooks import (
     gather_rows,
     group_size_rank,
     majority_vote,
+    NodeLayout,
+    matrix_cost,
+    node_layout,
     nonfinite_flag,
+    owners,
     sign_muon_hook,
+    vote_owned,
+    world_mean,
 )
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
@@ -167,6 +173,8 @@ class SignMuon(torch.optim.Optimizer):
         self._hook_raised_seen = 0
         self._settings_checked = False  # vote_in_step: compared across ranks at the first step
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
+        self._layout: NodeLayout | None = None  # vote_in_step, hierarchical: made at the first step
+        self._owners: tuple[int, dict[torch.Tensor, int]] | None = None  # (L, param -> owning local rank)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -191,6 +199,7 @@ class SignMuon(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_group(group)
         self._settings_checked = False  # the new shapes are compared at the next step
+        self._owners = None  # ownership is recomputed with the new parameters
         names = group.get("param_names") or [None] * len(group["params"])
         for index, (p, name) in enumerate(zip(group["params"], names)):
             label = name or f"parameter {index} of group {len(self.param_groups) - 1} (shape {tuple(p.shape)})"
@@ -359,6 +368,8 @@ class SignMuon(torch.optim.Optimizer):
             # The hook left the vote in .grad; its sign undoes any rescaling since (clipping).
             signs = [torch.sign(p.grad) for _, p, _ in voted]
             means = [p.grad for _, p, _ in averaged]
+        elif self._node_layout() is not None:
+            signs, means = self._node_aware(voted, averaged, self._node_layout())
         else:
             # A rank without a gradient for a parameter others train abstains (votes 0, adds 0).
             directions = [torch.zeros_like(p) if p.grad is None else self.local_direction(p, p.grad) for _, p, _ in voted]
@@ -389,6 +400,45 @@ class SignMuon(torch.optim.Optimizer):
             )
         used = rows[:, 1:].any(dim=0).tolist()
         return [p for p, u in zip(params, used) if u]
+
+    def owner(self, param: torch.Tensor, ranks_per_node: int) -> int:
+        """The local rank that owns ``param``'s momentum and Newton–Schulz in the node-aware vote:
+        every voted parameter, in param-group order, assigned by cost (``comm_hooks.owners``), so
+        the same on every rank, every step and after a restart."""
+        if self._owners is None or self._owners[0] != ranks_per_node:
+            voted = [p for g in self.param_groups for p in g["params"] if self.votes(p)]
+            assigned = owners([matrix_cost(p) for p in voted], ranks_per_node)
+            self._owners = (ranks_per_node, dict(zip(voted, assigned)))
+        return self._owners[1][param]
+
+    def _node_layout(self) -> NodeLayout | None:
+        """vote_in_step with ``VoteConfig(hierarchical=True)``: the node layout (made at the first
+        step, on every rank alike), or None for the flat vote."""
+        world_size, _ = group_size_rank(self.process_group)
+        if not self.vote_config.hierarchical or world_size == 1:
+            return None
+        if self._layout is None:
+            self._layout = node_layout(self.process_group, self.vote_config.ranks_per_node)
+        return None if self._layout.flat else self._layout
+
+    def _node_aware(self, voted: list, averaged: list, layout: NodeLayout) -> tuple[list, list]:
+        """Node-aware vote_in_step: node-mean gradients, each parameter's momentum and direction
+        on its owning local rank, signs voted between nodes (``comm_hooks.hierarchy``)."""
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for _, p, _ in voted]
+        vote_owned(
+            grads,
+            lambda i, mean: self.local_direction(voted[i][1], mean),
+            [self.owner(p, layout.ranks_per_node) for _, p, _ in voted],
+            list(range(len(voted))),
+            layout, self.vote_config, step=self.steps_taken, stats=self.stats,
+            label=f"{type(self).__name__} step {self.steps_taken}", tag=self.steps_taken,
+        )  # fmt: skip
+        means = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for _, p, _ in averaged]
+        if means:
+            flat = torch.cat([m.reshape(-1) for m in means])
+            world_mean(flat, layout, self.stats)
+            means = [chunk.view_as(m) for chunk, m in zip(flat.split([m.numel() for m in means]), means)]
+        return grads, means
 
     def _check_means(self, averaged: list, means: list[torch.Tensor]) -> None:
         """Before any AdamW parameter moves: a non-finite mean gradient raises (``"raise"``)."""

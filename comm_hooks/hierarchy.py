@@ -1,0 +1,231 @@
+"""The node-aware vote: full precision inside a node, one bit per entry between nodes.
+
+With N nodes of L ranks (:mod:`~signmuon.comm_hooks.topology`), per tensor of n entries::
+
+    1. all-reduce inside the node (full precision):  every local rank holds the node mean
+    2. (optional) momentum on the node mean, the same on every local rank of the node
+    3. local rank l votes entries [l*c, (l+1)*c), c = ceil(n/L), with the ranks of local
+       index l on the other nodes (its *rail*): the vote's own exchange, N voters
+    4. all-gather inside the node of the voted slices (int8, one byte per entry)
+
+The voters are the N nodes, each voting the sign of its mean gradient. Bytes that cross
+between nodes, per node: L rails of ``vote_bytes_per_rank(c, N)`` each, about
+``2(N-1)/N * n/8`` in all, spread over the node's L ranks (and NICs). Inside a node each rank
+sends ``2(L-1)/L * n * 4`` (fp32 all-reduce) plus ``(L-1) * c`` bytes (the gather).
+
+Tie coins are drawn for each entry's position in the whole tensor (``first_entry``), so they
+are those of the same entries voted flat; a NaN or Inf anywhere in a node's mean flags that
+node on every rail, so every rank skips (or raises on) the same tensors.
+
+:func:`vote_owned` serves optimizers whose pre-vote step needs whole parameters (SignMuon's
+Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
+momentum and computes its direction, so that work is split L ways inside a node. Ownership is
+decided once over all of an optimizer's parameters (not per DDP bucket, whose layout changes
+after the first iteration and after a restart), so a parameter's momentum never changes hands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collective import VoteWork
+from .config import VoteConfig
+from .exchange import CommStats, NonFiniteError
+from .kernels.layout import SignSegments
+from .packing import nonfinite_flag
+from .topology import NodeLayout
+
+__all__ = ["NodeVoteWork", "node_mean", "owners", "vote_owned", "world_mean", "matrix_cost"]
+
+
+def _slice(n: int, layout: NodeLayout) -> tuple[int, int]:
+    """Entries [lo, hi) this local rank votes; c = ceil(n / L) each (the last ones may be short)."""
+    c = -(-n // layout.ranks_per_node)
+    lo = min(n, layout.local_rank * c)
+    return lo, min(n, lo + c)
+
+
+def node_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
+    """In place: ``flat`` becomes the mean over this rank's node (an fp32-exact all-reduce)."""
+    L = layout.ranks_per_node
+    if layout.node_group is None or L == 1:
+        return flat
+    dist.all_reduce(flat, group=layout.node_group)
+    flat.div_(L)
+    if stats is not None:
+        ring = 2 * (L - 1) * flat.numel() * flat.element_size() // L
+        stats.add(ring, ring, inside_node=True)
+    return flat
+
+
+def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
+    """In place: the mean over every rank, in full precision, node-aware (node all-reduce, each
+    local rank's slice all-reduced on its rail, slices gathered in the node)."""
+    n, N = flat.numel(), layout.nodes
+    node_mean(flat, layout, stats)
+    lo, hi = _slice(n, layout)
+    piece = torch.zeros(-(-n // layout.ranks_per_node), dtype=flat.dtype, device=flat.device)
+    piece[: hi - lo] = flat[lo:hi]
+    if layout.rail_group is not None and N > 1:
+        dist.all_reduce(piece, group=layout.rail_group)
+        piece.div_(N)
+        if stats is not None:
+            ring = 2 * (N - 1) * piece.numel() * piece.element_size() // N
+            stats.add(ring, ring)
+    gathered = _gather_in_node(piece, layout, stats)
+    flat.copy_(gathered.reshape(-1)[:n])
+    return flat
+
+
+def matrix_cost(param: torch.Tensor) -> float:
+    """Newton–Schulz's cost of a parameter (m*n*min(m, n) for a matrix, its size otherwise): what
+    :func:`owners` balances."""
+    if param.dim() < 2:
+        return float(param.numel())
+    rows, cols = param.shape[0], param.numel() // param.shape[0]
+    return float(rows * cols * min(rows, cols))
+
+
+def _gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
+    """[L, k]: every local rank's ``pieces`` ([k], the same k and dtype everywhere)."""
+    L = layout.ranks_per_node
+    if layout.node_group is None or L == 1:
+        return pieces.unsqueeze(0)
+    out = pieces.new_empty(L, pieces.numel())
+    dist.all_gather(list(out.unbind(0)), pieces, group=layout.node_group)
+    if stats is not None:
+        size = (L - 1) * pieces.numel() * pieces.element_size()
+        stats.add(size, size, inside_node=True)
+    return out
+
+
+class NodeVoteWork:
+    """One node-aware vote in flight, with :class:`VoteWork`'s stages (``exchange``, ``wait``).
+
+    ``NodeVoteWork(...)`` averages ``tensor`` inside the node (in place), applies ``prepare``
+    (node mean -> (voter, non-finite flag); default: the mean itself) and starts this rank's
+    rail vote; :meth:`exchange` advances it; :meth:`wait` finishes it and gathers the node's
+    slices into ``out``.
+    """
+
+    __slots__ = ("_layout", "_out", "_rail", "_stats", "_slice", "_done")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        layout: NodeLayout,
+        config: VoteConfig,
+        *,
+        out: torch.Tensor,
+        step: int = 0,
+        segments: SignSegments | None = None,
+        stats: CommStats | None = None,
+        label: str = "",
+        tag: int = 0,
+        prepare: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        flat = tensor.view(-1)  # [n] a contiguous view: the mean is taken in place
+        n = flat.numel()
+        self._layout, self._out, self._stats, self._done = layout, out.view(-1), stats, False
+        mean = node_mean(flat, layout, stats)
+        voter, bad = prepare(mean) if prepare is not None else (mean, nonfinite_flag(mean))
+        lo, hi = self._slice = _slice(n, layout)
+        self._rail = VoteWork(
+            voter.view(-1)[lo:hi], layout.rail_group, config, step=step,
+            segments=segments if segments is not None else SignSegments.whole(n), first_entry=lo,
+            out=self._out[lo:hi], stats=stats, label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
+        )  # fmt: skip
+
+    @property
+    def exchanged(self) -> bool:
+        return self._rail.exchanged
+
+    def exchange(self) -> None:
+        self._rail.exchange()
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self._out
+        voted = self._rail.wait()  # [hi - lo] this rank's slice, already in out
+        n, (lo, hi) = self._out.numel(), self._slice
+        c = -(-n // self._layout.ranks_per_node)
+        piece = torch.zeros(c, dtype=torch.int8, device=voted.device)
+        piece[: hi - lo] = voted
+        gathered = _gather_in_node(piece, self._layout, self._stats)  # [L, c]
+        self._out.copy_(gathered.view(-1)[:n])
+        self._done = True
+        return self._out
+
+
+def owners(costs: Sequence[float], ranks_per_node: int) -> list[int]:
+    """The local rank that owns each item: largest cost first, to the least loaded rank (ties:
+    lowest rank). Deterministic, so every rank computes the same assignment."""
+    load = [0.0] * ranks_per_node
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks_per_node), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner
+
+
+def vote_owned(
+    grads: Sequence[torch.Tensor],
+    directions: Callable[[int, torch.Tensor], torch.Tensor],
+    owner: Sequence[int],
+    keys: Sequence[int],
+    layout: NodeLayout,
+    config: VoteConfig,
+    *,
+    step: int,
+    stats: CommStats | None,
+    label: str,
+    tag: int,
+    on_nonfinite: Callable[[NonFiniteError], None] | None = None,
+) -> None:
+    """Node-aware vote of per-tensor directions that need whole tensors; results in ``grads``.
+
+    ``grads`` are this rank's gradients (overwritten with the voted signs). They are averaged
+    inside the node; tensor i is owned by local rank ``owner[i]`` (the same on every rank and
+    every call, e.g. :func:`owners` over all of an optimizer's parameters), which alone calls
+    ``directions(i, node_mean_i)`` (advancing its momentum) and votes the owned directions,
+    concatenated, on its rail; the voted tensors are then gathered inside the node. A
+    NonFiniteError is handed to ``on_nonfinite`` (the tensors left zero) or raised, on every
+    rank alike.
+    """
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # [n] all of them, for one node all-reduce
+    node_mean(flat, layout, stats)
+    bad = nonfinite_flag(flat)  # the node's, the same on each of its ranks
+    means = list(flat.split([g.numel() for g in grads]))
+    mine = [i for i in range(len(grads)) if owner[i] == layout.local_rank]
+    voter = torch.cat([directions(i, means[i].view_as(grads[i])).reshape(-1) for i in mine]) if mine else flat[:0]
+    starts = [0]
+    for i in mine:
+        starts.append(starts[-1] + grads[i].numel())
+    segments = SignSegments(tuple(starts), tuple(keys[i] for i in mine)) if mine else None
+    work = VoteWork(
+        voter, layout.rail_group, config, step=step, segments=segments, out=voter, stats=stats,
+        label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
+    )  # fmt: skip
+    try:
+        voted = work.wait()
+    except NonFiniteError as error:
+        if on_nonfinite is None:
+            raise
+        on_nonfinite(error)
+        voted = work.wait()  # skipped: zeros
+    # Every local rank's owned tensors, padded to the largest share, one byte per entry.
+    shares = [sum(grads[i].numel() for i in range(len(grads)) if owner[i] == r) for r in range(layout.ranks_per_node)]
+    piece = torch.zeros(max(shares), dtype=torch.int8, device=flat.device)
+    piece[: voted.numel()] = voted
+    gathered = _gather_in_node(piece, layout, stats)  # [L, max share]
+    offsets = [0] * layout.ranks_per_node
+    for i, g in enumerate(grads):
+        r = owner[i]
+        g.copy_(gathered[r, offsets[r] : offsets[r] + g.numel()].view_as(g))
+        offsets[r] += g.numel()

@@ -1,0 +1,306 @@
+"""The node-aware vote (VoteConfig(hierarchical=True)) on gloo ranks grouped into "nodes":
+equal to a single-process reference that votes the node means (Signum-MV, signSGD-MV) or the
+node-level Newton–Schulz directions (SignMuon); identical replicas; resume; the flat cases;
+bad layouts; bytes split into inside and between nodes."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.benchmarks.launch import run_distributed
+from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook, vote_bytes_per_rank
+from signmuon.optim import SignMuon, SignumMV
+from signmuon.optim.newton_schulz import as_matrix, newton_schulz
+
+LR, BETA = 0.01, 0.9
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _batch(rank, step):
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)
+
+
+def _grads(params, rank, step):
+    """This rank's gradient at ``params`` (a fresh net loaded with them)."""
+    net = _net()
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), params):
+            p.copy_(v)
+    x, y = _batch(rank, step)
+    nn.functional.cross_entropy(net(x), y).backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _node_means(params, step, nodes, per_node):
+    grads = [_grads(params, r, step) for r in range(nodes * per_node)]
+    means = []
+    for n in range(nodes):
+        members = grads[n * per_node : (n + 1) * per_node]
+        total = [sum(g[i] for g in members[1:]) + 0 if per_node > 1 else members[0][i] for i in range(len(members[0]))]
+        means.append([members[0][i] + members[1][i] if per_node == 2 else total[i] for i in range(len(members[0]))])
+        means[-1] = [m / per_node for m in means[-1]]
+    return means
+
+
+def _vote(directions):
+    """sign(sum over nodes of sign(direction)), per tensor (exact ties: 0)."""
+    return [torch.sign(sum(torch.sign(d[i]) for d in directions)) for i in range(len(directions[0]))]
+
+
+def _hook_worker(rank, world_size, kind, per_node, steps):
+    net = _net()
+    model = DDP(net, bucket_cap_mb=0.0005)  # several buckets
+    config = VoteConfig(tie="exact", hierarchical=True, ranks_per_node=per_node)
+    if kind == "signmuon":
+        opt = SignMuon(net.parameters(), lr=LR, momentum=BETA, vote=config)
+        state = opt.register_comm_hook(model)
+    else:
+        state = SignVoteState(momentum=BETA if kind == "signum" else 0.0, start_iter=1, vote=config)
+        model.register_comm_hook(state, sign_vote_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    trajectory = [[p.detach().clone() for p in net.parameters()]]
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        trajectory.append([p.detach().clone() for p in net.parameters()])
+    return trajectory, state.stats.state_dict()
+
+
+def _reference_step(kind, params, step, nodes, per_node, momenta):
+    """One step of the node-level algorithm from ``params``; updates ``momenta`` (one list per node)."""
+    torch.set_num_threads(1)  # the workers' thread count: the same float results
+    means = _node_means(params, step, nodes, per_node)
+    if kind == "signsgd":
+        directions = means
+    else:
+        for n in range(nodes):
+            momenta[n] = [m.lerp(g, 1 - BETA) if kind == "signmuon" else BETA * m + (1 - BETA) * g
+                          for m, g in zip(momenta[n], means[n])]  # fmt: skip
+        if kind == "signum":
+            directions = momenta
+        else:  # SignMuon: Nesterov look-ahead, Newton–Schulz on matrices
+            directions = []
+            for n in range(nodes):
+                looks = [g.lerp(m, BETA) for g, m in zip(means[n], momenta[n])]
+                directions.append([newton_schulz(as_matrix(d), 5).view_as(d) if d.dim() >= 2 else d for d in looks])
+    return [p - LR * v for p, v in zip(params, _vote(directions))]
+
+
+@pytest.mark.parametrize(
+    "kind, world_size, per_node",
+    [("signum", 4, 2), ("signum", 6, 2), ("signsgd", 4, 2), ("signmuon", 4, 2), ("signmuon", 6, 2)],
+)
+def test_node_aware_hook_equals_node_level_reference(kind, world_size, per_node):
+    steps, nodes = 4, world_size // per_node
+    results = run_distributed(_hook_worker, world_size, kind, per_node, steps)
+    trajectory = results[0][0]
+    for other, _ in results[1:]:
+        for a, b in zip(trajectory[-1], other[-1]):
+            assert torch.equal(a, b), "replicas must stay identical"
+    start = 0 if kind == "signmuon" else 1  # the Signum hooks warm up with one all-reduce step
+    momenta = [[torch.zeros_like(p) for p in trajectory[0]] for _ in range(nodes)]
+    for step in range(start, steps):
+        expected = _reference_step(kind, trajectory[step], step, nodes, per_node, momenta)
+        for a, b in zip(trajectory[step + 1], expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{kind} step {step}")
+    moved = [not torch.equal(a, b) for a, b in zip(trajectory[-1], trajectory[0])]
+    assert all(moved)
+
+
+def _in_step_worker(rank, world_size, per_node, steps):
+    net = _net()
+    config = VoteConfig(tie="exact", hierarchical=True, ranks_per_node=per_node)
+    opt = SignumMV(net.parameters(), lr=LR, momentum=BETA, vote=config, vote_in_step=True)
+    trajectory = [[p.detach().clone() for p in net.parameters()]]
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        trajectory.append([p.detach().clone() for p in net.parameters()])
+    return trajectory
+
+
+def test_node_aware_vote_in_step_equals_node_level_reference():
+    world_size, per_node, steps = 4, 2, 3
+    results = run_distributed(_in_step_worker, world_size, per_node, steps)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][-1], other[-1]))
+    momenta = [[torch.zeros_like(p) for p in results[0][0]] for _ in range(2)]
+    for step in range(steps):
+        # SignumMV's momentum is torch's lerp form: m <- m + (1 - beta)(g - m)
+        means = _node_means(results[0][step], step, 2, per_node)
+        momenta = [[m.lerp(g, 1 - BETA) for m, g in zip(momenta[n], means[n])] for n in range(2)]
+        expected = [p - LR * v for p, v in zip(results[0][step], _vote(momenta))]
+        for a, b in zip(results[0][step + 1], expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# --- flat cases, bytes, layouts -------------------------------------------------------------------
+
+
+def _flat_worker(rank, world_size, hierarchical, per_node):
+    net = _net()
+    model = DDP(net)
+    config = VoteConfig(hierarchical=True, ranks_per_node=per_node) if hierarchical else VoteConfig()
+    state = SignVoteState(momentum=BETA, start_iter=1, vote=config)
+    model.register_comm_hook(state, sign_vote_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(4):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("per_node", [1, 4], ids=["one-rank-per-node", "one-node"])
+def test_one_node_or_one_rank_per_node_is_the_flat_vote(per_node):
+    flat = run_distributed(_flat_worker, 4, False, None)
+    aware = run_distributed(_flat_worker, 4, True, per_node)
+    for a, b in zip(flat, aware):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _bytes_worker(rank, world_size, per_node, n):
+    import torch.distributed as dist
+
+    from signmuon.comm_hooks import CommStats, NodeVoteWork, node_layout
+
+    layout = node_layout(None, per_node)
+    stats = CommStats()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    out = NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(n), stats=stats).wait()
+    dist.barrier()
+    return stats.bytes_sent_between_nodes, stats.bytes_sent_inside_node, out, x
+
+
+@pytest.mark.parametrize("world_size, per_node", [(4, 2), (6, 2), (6, 3)])
+def test_between_node_bytes_follow_the_formula(world_size, per_node):
+    n = 10_000
+    results = run_distributed(_bytes_worker, world_size, per_node, n)
+    nodes = world_size // per_node
+    c = -(-n // per_node)
+    for rank, (between, inside, out, _) in enumerate(results):
+        local = rank % per_node
+        size = min(n, (local + 1) * c) - min(n, local * c)
+        assert between == vote_bytes_per_rank(size, nodes, agree_sizes=False)
+        assert inside == 2 * (per_node - 1) * n * 4 // per_node + (per_node - 1) * c
+        assert torch.equal(out, results[0][2])
+    per_node_total = sum(r[0] for r in results[:per_node])
+    assert per_node_total <= 2 * (nodes - 1) / nodes * n / 8 + 64 * per_node * nodes  # about 2(N-1)/N n/8
+    means = [sum(results[n * per_node + i][3] for i in range(per_node)) / per_node for n in range(nodes)]
+    expected = torch.sign(sum(torch.sign(m) for m in means))
+    ties = expected == 0
+    assert torch.equal(results[0][2][~ties], expected[~ties])
+
+
+def _layout_worker(rank, world_size, env):
+    os.environ.update({k: v[rank] for k, v in env.items()})
+    from signmuon.comm_hooks import node_layout
+
+    try:
+        node_layout(None, None)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"LOCAL_WORLD_SIZE": ["2", "2", "3", "2"]}, "nodes of different sizes"),
+        ({"LOCAL_WORLD_SIZE": ["2"] * 4, "GROUP_RANK": ["0", "1", "0", "1"], "LOCAL_RANK": ["0", "0", "1", "1"]},
+         "not node-contiguous"),
+        ({"LOCAL_WORLD_SIZE": ["3"] * 4}, "divide the world size"),
+    ],
+    ids=["sizes", "interleaved", "indivisible"],
+)  # fmt: skip
+def test_bad_layout_fails_on_every_rank(env, match):
+    for message in run_distributed(_layout_worker, 4, env):
+        assert message is not None and match in message, message
+
+
+def _resume_worker(rank, world_size, steps, load, save):
+    net = _net()
+    model = DDP(net, bucket_cap_mb=0.0005)
+    opt = SignMuon(net.parameters(), lr=LR, vote=VoteConfig(hierarchical=True, ranks_per_node=2, seed=3))
+    opt.register_comm_hook(model)
+    start = 0
+    if load:
+        saved = torch.load(f"{load}.rank{rank}", weights_only=True)
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        start = saved["step"]
+    for step in range(start, start + steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if save:
+        torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": start + steps}, f"{save}.rank{rank}")
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_node_aware_signmuon_resumes_bit_identically(tmp_path):
+    whole = run_distributed(_resume_worker, 4, 6, None, None)
+    run_distributed(_resume_worker, 4, 3, None, str(tmp_path / "ckpt"))
+    resumed = run_distributed(_resume_worker, 4, 3, str(tmp_path / "ckpt"), None)
+    for r in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(whole[r], resumed[r])), f"rank {r}"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_on_one_machine_runs_the_benchmark():
+    """Two torchrun launchers joined by c10d rendezvous, as two nodes of two ranks."""
+    port = _free_port()
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
+               "-m", "signmuon.benchmarks.ddp_step", "--methods", "sign_vote", "sign_vote_node", "--width", "64",
+               "--depth", "2", "--warmup", "1", "--steps", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launchers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
+                 for _ in range(2)]  # fmt: skip
+    outputs = [p.communicate(timeout=240)[0] for p in launchers]
+    assert all(p.returncode == 0 for p in launchers), outputs
+    table = "\n".join(outputs)
+    assert "sign_vote_node" in table and "nodes=2x2" in table, table
+
+
+def test_config_fields_validate_and_come_from_a_deepspeed_vote_section():
+    config = VoteConfig.from_dict({"hierarchical": True, "ranks_per_node": 8})
+    assert config.hierarchical and config.ranks_per_node == 8
+    assert config.settings()["hierarchical"] is True
+    with pytest.raises(ValueError, match="only used with hierarchical=True"):
+        VoteConfig(ranks_per_node=2)
+    with pytest.raises(ValueError, match="ranks_per_node=0"):
+        VoteConfig(hierarchical=True, ranks_per_node=0)
+
+
+def test_owners_balance_cost_and_are_deterministic():
+    from signmuon.comm_hooks import owners
+
+    costs = [100.0, 60.0, 50.0, 10.0, 10.0]
+    assert owners(costs, 2) == [0, 1, 1, 0, 0] == owners(list(costs), 2)
+    loads = [sum(c for c, o in zip(costs, owners(costs, 2)) if o == r) for r in range(2)]
+    assert max(loads) - min(loads) <= max(costs) and owners(costs, 1) == [0] * 5
