@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from signmuon.benchmarks.kernels import parse_size
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
-from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, vote_bytes_per_rank
+from signmuon.comm_hooks import CommStats, NodeVoteWork, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
 from signmuon.integrations.deepspeed import SignCompressedBackend
 
 METHODS = (
@@ -36,6 +36,7 @@ METHODS = (
     "allgather_1bit",
     "vote_exact",
     "vote_fast",
+    "vote_node",
     "powersgd_r1",
     "powersgd_r4",
     "ef_1bit",
@@ -72,6 +73,17 @@ def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callabl
         config = VoteConfig(tie=tie, algorithm=algorithm)
         call = lambda: majority_vote(grad, config=config, out=out, stats=stats)  # noqa: E731
         return call, vote_bytes_per_rank(n, world_size, algorithm)
+    if method == "vote_node":  # node-aware: fp32 inside the node, one bit between (LOCAL_WORLD_SIZE)
+        layout = node_layout(None, None)
+        config = VoteConfig(hierarchical=True)
+        if layout.flat:
+            out = torch.empty_like(grad)
+            return (lambda: majority_vote(grad, config=config, out=out)), vote_bytes_per_rank(n, world_size)
+        buf, out = grad.clone(), torch.empty_like(grad)
+        c = -(-n // layout.ranks_per_node)
+        mine = min(n, (layout.local_rank + 1) * c) - min(n, layout.local_rank * c)
+        call = lambda: (buf.copy_(grad), NodeVoteWork(buf, layout, config, out=out).wait())  # noqa: E731
+        return call, vote_bytes_per_rank(mine, layout.nodes, agree_sizes=False)  # between nodes only
     if method.startswith("powersgd_r"):
         rank = int(method.removeprefix("powersgd_r"))
         rows, cols = _matrix_shape(n)

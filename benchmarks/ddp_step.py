@@ -1,7 +1,8 @@
 """DDP step time of a ~10M-parameter MLP with different gradient reductions.
 
 Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD, and
-our hooks (signSGD-MV, Signum-MV, SignMuon), all in one run, as ratios to the fp32 all-reduce
+our hooks (signSGD-MV, Signum-MV, SignMuon; ``*_node``: the node-aware vote, full precision
+inside a node and one bit between nodes), all in one run, as ratios to the fp32 all-reduce
 step. Bytes per rank per step come from the hooks' own statistics or the ring all-reduce
 formula; "bits/entry" is 8 x bytes / (parameters x 2(M-1)/M), the bandwidth-optimal
 all-reduce's cost per entry (32 for fp32, 1 for an ideal 1-bit vote). Each step draws one of
@@ -24,10 +25,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
-from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.optim import SignMuon
 
-METHODS = ("allreduce", "fp16", "powersgd", "sign_vote", "signum_mv", "signmuon")
+METHODS = ("allreduce", "fp16", "powersgd", "sign_vote", "signum_mv", "signmuon", "sign_vote_node", "signum_mv_node",
+           "signmuon_node")  # fmt: skip
+NODE_AWARE = {"sign_vote_node": "sign_vote", "signum_mv_node": "signum_mv", "signmuon_node": "signmuon"}
 
 
 def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Module:
@@ -38,7 +41,8 @@ def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Modu
     return nn.Sequential(*layers)
 
 
-def _register(model: DDP, method: str, group, optimizer) -> object | None:
+def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> object | None:
+    method = NODE_AWARE.get(method, method)
     if method == "fp16":
         model.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif method == "powersgd":
@@ -46,7 +50,7 @@ def _register(model: DDP, method: str, group, optimizer) -> object | None:
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
     elif method in ("sign_vote", "signum_mv"):
-        state = SignVoteState(process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0)
+        state = SignVoteState(process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0, vote=vote)
         model.register_comm_hook(state, sign_vote_hook)
         return state
     elif method == "signmuon":
@@ -60,11 +64,12 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
     for method in methods:
         torch.manual_seed(0)
         model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-        if method == "signmuon":
-            opt = SignMuon(model.parameters(), lr=1e-3)
+        vote = VoteConfig(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else VoteConfig()
+        if NODE_AWARE.get(method, method) == "signmuon":
+            opt = SignMuon(model.parameters(), lr=1e-3, vote=vote)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        state = _register(model, method, None, opt)
+        state = _register(model, method, None, opt, vote)
         gen = torch.Generator().manual_seed(rank)
         batches = [
             (torch.randn(args.batch, 512, generator=gen).to(device), torch.randint(0, 10, (args.batch,), generator=gen).to(device))
@@ -82,6 +87,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         timed_calls(step, args.warmup, device)
         hooked = hasattr(state, "stats")
         sent_before = state.stats.bytes_sent if hooked else 0
+        between_before = state.stats.bytes_sent_between_nodes if hooked else 0
         times = timed_calls(step, args.steps, device)
         params = sum(p.numel() for p in model.parameters())
         if hooked:
@@ -94,23 +100,31 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             per_step = 2 * (world_size - 1) * params * 4 / world_size
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
         bits = 8 * per_step / optimal if world_size > 1 else float("nan")
-        rows.append({"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,
-                     "bits_per_entry": bits})  # fmt: skip
+        row = {"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,
+               "bits_per_entry": bits}  # fmt: skip
+        if method in NODE_AWARE:
+            layout = state.layout
+            row["nodes"] = f"{layout.nodes}x{layout.ranks_per_node}"
+            row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
+        rows.append(row)
     return rows
 
 
 def report(rows: list[dict], world_size: int) -> None:
     base = next((r["step_s"] for r in rows if r["method"] == "allreduce" and "error" not in r), None)
     params = next((r["params"] for r in rows if "params" in r), 0)
-    print(f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}")
-    print(f"{'method':>10} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11}")
+    nodes = next((r["nodes"] for r in rows if "nodes" in r), None)
+    print(f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}"
+          + (f" nodes={nodes} (node-aware rows: MB/rank/step counts inside + between nodes)" if nodes else ""))
+    print(f"{'method':>14} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11}")
     for r in rows:
         if "error" in r:
-            print(f"{r['method']:>10}  failed: {r['error']}")
+            print(f"{r['method']:>14}  failed: {r['error']}")
             continue
         ratio = r["step_s"] / base if base else float("nan")
-        print(f"{r['method']:>10} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
-              f"{r['bits_per_entry']:>11.2f}")
+        between = f"  between nodes {r['between_nodes_bytes_per_rank'] / 1e6:.2f} MB" if "nodes" in r else ""
+        print(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
+              f"{r['bits_per_entry']:>11.2f}{between}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -123,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
     args = parser.parse_args(argv)
     if under_torchrun():
         rows = run_torchrun(_worker, args, args.methods)

@@ -10,6 +10,12 @@ addresses of its own (10.77.x.y inside them), and is torn down afterwards, also 
 Needs root and iproute2 (``ip``, ``tc``).
 
     signmuon-bench netem --world-size 4 --rate 1gbit --delay 0.2ms -- bandwidth --sizes 1M 16M
+
+``--ranks-per-node L`` groups L ranks into one namespace, a "node": they talk over its
+loopback, unshaped, and only traffic between nodes crosses the shaped links, whose counters
+then give the bytes that crossed between nodes (e.g. for the node-aware vote)::
+
+    signmuon-bench netem --world-size 4 --ranks-per-node 2 --rate 1gbit -- ddp-step --methods sign_vote sign_vote_node
 """
 
 from __future__ import annotations
@@ -36,16 +42,20 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 class EmulatedNetwork:
     """Namespaces ``<prefix>r<i>`` joined by bridge ``<prefix>br``; a context manager that cleans up."""
 
-    def __init__(self, world_size: int, rate: str, delay: str, subnet: int | None = None) -> None:
+    def __init__(self, world_size: int, rate: str, delay: str, subnet: int | None = None, ranks_per_node: int = 1) -> None:
         if world_size < 1 or world_size > 200:
             raise ValueError(f"world_size={world_size} must be in 1..200")
+        if ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide world_size={world_size}")
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 raise RuntimeError(f"the emulated network needs iproute2's `{tool}` (apt-get install iproute2)")
         self.world_size, self.rate, self.delay = world_size, rate, delay
         self.prefix = f"sm{os.getpid() % 100000}"
         self.subnet = random.randrange(1, 250) if subnet is None else subnet
-        self.namespaces = [f"{self.prefix}r{i}" for i in range(world_size)]
+        self.ranks_per_node = ranks_per_node
+        # One namespace per node: its ranks talk over loopback, nodes over the shaped veth links.
+        self.namespaces = [f"{self.prefix}r{i}" for i in range(world_size // ranks_per_node)]
         self.bridge = f"{self.prefix}br"
         self.delay_dropped = False  # set when the kernel cannot add delay (no sch_netem)
 
@@ -96,7 +106,7 @@ class EmulatedNetwork:
         _run("ip", "link", "del", self.bridge, check=False)
 
     def tx_bytes(self) -> list[int]:
-        """Bytes each rank's interface has sent so far."""
+        """Bytes each node's interface has sent so far (a node: one rank unless ranks_per_node > 1)."""
         return [
             int(_run("ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/statistics/tx_bytes").stdout)
             for ns in self.namespaces
@@ -106,10 +116,12 @@ class EmulatedNetwork:
         """Run ``python -m signmuon.benchmarks.<module_args...>`` as rank i in namespace i."""
         port = str(random.randrange(20000, 60000))  # inside our own namespaces: nothing else listens
         procs = []
-        for rank, ns in enumerate(self.namespaces):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size),
-                       LOCAL_WORLD_SIZE="1", MASTER_ADDR=self.address(0), MASTER_PORT=port,
-                       GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
+        L = self.ranks_per_node
+        for rank in range(self.world_size):
+            ns = self.namespaces[rank // L]
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % L), WORLD_SIZE=str(self.world_size),
+                       LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(rank // L), MASTER_ADDR=self.address(0),
+                       MASTER_PORT=port, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
             module = COMMANDS.get(module_args[0], module_args[0])  # a CLI name (ddp-step) or a module
             command = ["ip", "netns", "exec", ns, sys.executable, "-m", f"signmuon.benchmarks.{module}"]
             procs.append(subprocess.Popen(command + module_args[1:], env=env, stdout=subprocess.PIPE,
@@ -143,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     split = argv.index("--")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks sharing a namespace (a node: loopback inside, shaped links between)")
     parser.add_argument("--rate", default="1gbit", help="tc rate per rank, e.g. 1gbit, 10gbit")
     parser.add_argument("--delay", default="0.2ms", help="tc delay per packet, e.g. 0.2ms ('' for none)")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         json_path = os.path.join(tmp, "rows.json")
         if inner[0] == "bandwidth" and "--json" not in inner:
             inner = inner + ["--json", json_path, "--no-progress"]
-        with EmulatedNetwork(args.world_size, args.rate, args.delay) as net:
+        with EmulatedNetwork(args.world_size, args.rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
             before = net.tx_bytes()
             results = net.run(inner, args.timeout)
             sent = [after - b for after, b in zip(net.tx_bytes(), before)]
@@ -161,18 +175,22 @@ def main(argv: list[str] | None = None) -> dict:
                 raise RuntimeError(f"rank {rank} failed in its namespace:\n{result.stdout[-3000:]}")
         print(results[0].stdout)
         delay = "" if net.delay_dropped else args.delay
-        report = {"world_size": args.world_size, "rate": args.rate, "delay": delay, "tx_bytes_per_rank": sent}
+        L = args.ranks_per_node
+        unit = "node" if L > 1 else "rank"
+        report = {"world_size": args.world_size, "ranks_per_node": L, "rate": args.rate, "delay": delay,
+                  f"tx_bytes_per_{unit}": sent}  # fmt: skip
         if os.path.exists(json_path):
             with open(json_path) as f:
                 rows = json.load(f)
             warmup_iters = _calls_per_measurement(inner)
-            report["algorithmic_bytes_per_rank"] = sum(
+            # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for vote_node).
+            report[f"algorithmic_bytes_per_{unit}"] = L * sum(
                 r["bytes_per_rank"] * warmup_iters for r in rows if "bytes_per_rank" in r
             )
             report["rows"] = rows
-        print(f"rate={args.rate} delay={delay or '0'}: bytes really sent per rank (veth tx) {sent}")
-        if "algorithmic_bytes_per_rank" in report:
-            print(f"algorithmic bytes per rank of the measured calls: {report['algorithmic_bytes_per_rank']} "
+        print(f"rate={args.rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
+        if f"algorithmic_bytes_per_{unit}" in report:
+            print(f"algorithmic bytes per {unit} of the measured calls: {report[f'algorithmic_bytes_per_{unit}']} "
                   "(plus barriers, timing all-reduces, rendezvous and TCP/IP headers)")  # fmt: skip
         return report
 

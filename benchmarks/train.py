@@ -54,6 +54,8 @@ class TrainConfig:
     """cifar10's model: ``resnet18`` or ``resnet50``."""
     progress: bool = False
     """Show a progress bar on rank 0."""
+    ranks_per_node: int | None = None
+    """L for the node-aware (``*_node``) methods; None reads torchrun's LOCAL_WORLD_SIZE."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,19 +137,25 @@ def _ddp_powersgd(rank: int, make_opt) -> Method:
     return build
 
 
-def _ddp_sign_vote(momentum: float, lr: float) -> Method:
+def _vote(config: TrainConfig, node_aware: bool) -> VoteConfig:
+    if node_aware:
+        return VoteConfig(fault=_fault(config), hierarchical=True, ranks_per_node=config.ranks_per_node)
+    return VoteConfig(fault=_fault(config))
+
+
+def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = _ddp(net)
-        state = SignVoteState(momentum=momentum, start_iter=1, vote=VoteConfig(fault=_fault(config)))
+        state = SignVoteState(momentum=momentum, start_iter=1, vote=_vote(config, node_aware))
         model.register_comm_hook(state, sign_vote_hook)
         return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), stats=state.stats)
 
     return build
 
 
-def _ddp_sign_muon(**options) -> Method:
+def _ddp_sign_muon(node_aware: bool = False, **options) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        opt = SignMuon(net.parameters(), vote=VoteConfig(fault=_fault(config)), **options)
+        opt = SignMuon(net.parameters(), vote=_vote(config, node_aware), **options)
         model = _ddp(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
@@ -176,6 +184,8 @@ METHODS: dict[str, Method] = {
     "powersgd_adamw": _ddp_powersgd(4, lambda p: torch.optim.AdamW(p, lr=2e-3)),
     "signmuon": _ddp_sign_muon(lr=2e-3),
     "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
+    "signum_mv_node": _ddp_sign_vote(momentum=0.9, lr=1e-3, node_aware=True),
+    "signmuon_node": _ddp_sign_muon(node_aware=True, lr=2e-3),
     "local_sgd_8": _local_sgd(8),
     "local_sgd_32": _local_sgd(32),
     "dppf_8": _local_sgd(8, pull=0.5, push=0.05),
@@ -358,6 +368,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
@@ -366,7 +378,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
-        progress=args.progress,
+        progress=args.progress, ranks_per_node=args.ranks_per_node,
     )  # fmt: skip
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":
