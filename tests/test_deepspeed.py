@@ -222,3 +222,41 @@ def test_backend_rejects_bad_buffers():
         backend.compressed_allreduce(torch.randn(10), torch.zeros(12), torch.zeros(12))
     with pytest.raises(ValueError, match="server_error"):
         backend.compressed_allreduce(torch.randn(10), torch.zeros(16), torch.zeros(3))
+
+
+def _node_aware_both(rank, world_size):
+    """The DeepSpeed config's "vote" section switches on the node-aware vote, as the DDP hook's VoteConfig does."""
+    from signmuon.comm_hooks import VoteConfig
+
+    vote = {"hierarchical": True, "ranks_per_node": 2, "tie": "exact"}
+    model = _model()
+    engine, ds_opt, _, _ = initialize(model=model, config=_config(vote=vote))
+    ds = []
+    for step in range(3):
+        x, y = _micro_batch(rank, step, 0)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+        ds.append([p.detach().clone() for p in model.parameters()])
+    net = _model()
+    opt = SignMuon(net.parameters(), vote=VoteConfig(**vote), **OPT_PARAMS)
+    ddp = DDP(net)
+    opt.register_comm_hook(ddp)
+    hooked = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        x, y = _micro_batch(rank, step, 0)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        hooked.append([p.detach().clone() for p in net.parameters()])
+    return ds, hooked, (ds_opt.stats.bytes_sent_inside_node, opt.comm_state.stats.bytes_sent_inside_node)
+
+
+def test_config_vote_section_runs_the_node_aware_vote():
+    results = run_distributed(_node_aware_both, 4, timeout=600)
+    for rank, (ds, hooked, inside) in enumerate(results):
+        assert min(inside) > 0, "both ran the node-aware path"
+        for step in range(3):
+            for a, b in zip(ds[step], hooked[step]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step}")
+    for a, b in zip(results[0][0][-1], results[3][0][-1]):
+        assert torch.equal(a, b)
