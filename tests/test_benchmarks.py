@@ -105,6 +105,18 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
     assert not any(line.startswith(prefix) for line in leftovers.splitlines()), "namespaces left behind"
 
 
+def test_emulated_nodes_count_the_bytes_between_them():
+    # Two namespaces of two ranks each: the node-aware vote's ranks talk over loopback inside a
+    # node, so the shaped links carry only the between-node votes, about what the formula says.
+    from signmuon.benchmarks import netem
+
+    report = netem.main(["--world-size", "4", "--ranks-per-node", "2", "--rate", "1gbit", "--", "bandwidth",
+                         "--sizes", "1M", "--iters", "2", "--warmup", "1", "--methods", "vote_node"])  # fmt: skip
+    assert len(report["tx_bytes_per_node"]) == 2
+    for sent in report["tx_bytes_per_node"]:
+        assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
+
+
 def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
     import pytest
 
