@@ -168,12 +168,15 @@ def _flat_worker(rank, world_size, hierarchical, per_node):
     return [p.detach().clone() for p in net.parameters()]
 
 
+def _flat_cases_worker(rank, world_size):
+    # One process group for the three runs: each builds its own model, DDP and hook state.
+    return [_flat_worker(rank, world_size, False, None)] + [_flat_worker(rank, world_size, True, L) for L in (1, 4)]
+
+
 def test_one_node_or_one_rank_per_node_is_the_flat_vote():
-    flat = run_distributed(_flat_worker, 4, False, None)
-    for per_node in (1, 4):  # one rank per node; one node
-        aware = run_distributed(_flat_worker, 4, True, per_node)
-        for a, b in zip(flat, aware):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), per_node
+    for flat, one_per_node, one_node in run_distributed(_flat_cases_worker, 4):
+        assert all(torch.equal(x, y) for x, y in zip(flat, one_per_node)), "one rank per node"
+        assert all(torch.equal(x, y) for x, y in zip(flat, one_node)), "one node"
 
 
 def _bytes_worker(rank, world_size, per_node, n):

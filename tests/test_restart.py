@@ -36,7 +36,8 @@ def _final(directory, rank):
 
 def test_killed_rank_relaunched_resumes_bit_identically(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert _launch(whole, 2).returncode == 0
+    uninterrupted = _launch(whole, 2)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     runs = _relaunch_loop(killed, 2, "--die-at", "7")
     assert [r.returncode != 0 for r in runs] == [True, False], [r.stderr[-2000:] for r in runs]
     assert (killed / "died").exists(), "rank 1 really was killed"

@@ -93,6 +93,7 @@ def main() -> None:
             save_atomically(state, os.path.join(args.dir, f"rank{rank}.step{step}.pt"))
             for old in saved_steps(args.dir, rank)[2:]:
                 os.remove(os.path.join(args.dir, f"rank{rank}.step{old}.pt"))
+    dist.barrier()  # a rank that tore the group down while a peer still reads its last send aborts it
     dist.destroy_process_group()
 
 
