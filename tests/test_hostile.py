@@ -326,14 +326,22 @@ def _replica_bits_worker(rank, world_size, case):
     return _capture(lambda: check_replicas(tensors, names=[f"t{i}" for i in range(len(tensors))]))
 
 
-@pytest.mark.parametrize("case", ["swapped", "ulp", "permuted", "nan"])
-def test_check_replicas_compares_bits(case):
-    for error in run_distributed(_replica_bits_worker, 2, case):
-        if case == "nan":
-            assert error is None
-        else:
-            first = "t1" if case == "ulp" else "t0"
-            assert error.startswith("ReplicaDivergenceError") and f"{first} differs in its bits on rank(s) [1]" in error
+CASES = ("swapped", "ulp", "permuted", "nan")
+
+
+def _replica_cases_worker(rank, world_size):
+    return [_replica_bits_worker(rank, world_size, case) for case in CASES]  # one group for all cases
+
+
+def test_check_replicas_compares_bits():
+    for errors in run_distributed(_replica_cases_worker, 2):
+        for case, error in zip(CASES, errors):
+            if case == "nan":
+                assert error is None, "identical NaNs are identical replicas"
+            else:
+                first = "t1" if case == "ulp" else "t0"
+                assert error.startswith("ReplicaDivergenceError"), (case, error)
+                assert f"{first} differs in its bits on rank(s) [1]" in error, (case, error)
 
 
 # --- loading ---------------------------------------------------------------------------------
