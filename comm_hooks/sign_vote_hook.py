@@ -24,7 +24,12 @@ take the sign of what the vote left in ``.grad`` and so ignore any positive resc
 Host synchronisations per bucket on a GPU: two. The first reads the headers of the vote's first
 exchange (they decide the NaN/Inf skip and the sizes of the optional zero lists); the second
 reads the voted result's zero count (the headers of the second exchange, or for two ranks the
-local vote's). Signum's finiteness check of the gradient stays on the device.
+local vote's); plus one per iteration, at its first bucket, for the agreement on the iteration
+counter. Signum's finiteness check of the gradient stays on the device.
+
+With ``VoteConfig(hierarchical=True)`` the hook votes node-aware (``comm_hooks.hierarchy``):
+gradients are averaged inside each node in full precision and only the node means' signs are
+voted between nodes; Signum's momentum then follows the node mean.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
