@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from signmuon.benchmarks.kernels import parse_size
+from signmuon.benchmarks.cli import positive_int, size
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import CommStats, NodeVoteWork, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
 from signmuon.integrations.deepspeed import SignCompressedBackend
@@ -123,8 +123,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
         except ImportError:
             progress = None
     rows = []
-    for size in args.sizes:
-        numel = parse_size(size)
+    for numel in args.sizes:
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         for method in args.methods:
             try:
@@ -207,8 +206,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
-    parser.add_argument("--sizes", nargs="+", default=["1K", "16K", "256K", "4M", "16M"])
+    parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
+    parser.add_argument("--sizes", nargs="+", type=size, default=["1K", "16K", "256K", "4M", "16M"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)

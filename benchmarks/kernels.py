@@ -17,18 +17,10 @@ import time
 
 import torch
 
+from signmuon.benchmarks.cli import check_device, positive_int, size
 from signmuon.comm_hooks import SignSegments, kernels_for
 from signmuon.comm_hooks.kernels.layout import words_for
 
-_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """'4M' -> 4194304; plain integers pass through."""
-    text = text.strip().upper()
-    if text and text[-1] in _SUFFIX:
-        return int(float(text[:-1]) * _SUFFIX[text[-1]])
-    return int(text)
 
 
 def _median_time(fn, repeats: int, device: torch.device) -> float:
@@ -75,13 +67,14 @@ def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5,
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["1M", "4M", "16M", "64M"], help="entries, e.g. 1M 64M")
-    parser.add_argument("--world-size", type=int, default=4, help="M: the vote counts M packed shards")
+    parser.add_argument("--sizes", nargs="+", type=size, default=["1M", "4M", "16M", "64M"], help="entries, e.g. 1M 64M")
+    parser.add_argument("--world-size", type=positive_int, default=4, help="M: the vote counts M packed shards")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = one core)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kernels", default="auto", choices=["auto", "numba", "triton", "torch"])
     args = parser.parse_args(argv)
+    check_device(parser, args.device)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = []
@@ -89,8 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"device={device} kernels={family} threads={args.threads} world_size={args.world_size} torch={torch.__version__}")
     print(f"{'entries':>10} {'memcpy ms':>10} {'pack/cp':>8} {'ties/cp':>8} {'vote/cp':>8} {'unpack/cp':>9} "
           f"{'ternary/cp':>10} {'pipeline/cp':>11} {'pack GB/s':>10} {'unpack GB/s':>11}")  # fmt: skip
-    for size in args.sizes:
-        numel = parse_size(size)
+    for numel in args.sizes:
         t = measure(numel, args.world_size, device, args.repeats, args.kernels)
         ratio = {k: v / t["memcpy"] for k, v in t.items()}
         rows.append({"numel": numel, **{f"{k}_s": v for k, v in t.items()}, **{f"{k}_ratio": v for k, v in ratio.items()},
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "pack_gbps": (4 * numel + numel / 4) / t["pack"] / 1e9,
                      "unpack_gbps": (numel / 8 + 4 * numel) / t["unpack"] / 1e9})  # fmt: skip
         print(
-            f"{size:>10} {t['memcpy'] * 1e3:>10.2f} {ratio['pack']:>8.2f} {ratio['ties']:>8.2f} {ratio['vote']:>8.2f} "
+            f"{numel:>10} {t['memcpy'] * 1e3:>10.2f} {ratio['pack']:>8.2f} {ratio['ties']:>8.2f} {ratio['vote']:>8.2f} "
             f"{ratio['unpack']:>9.2f} {ratio['unpack_ternary']:>10.2f} {ratio['pipeline']:>11.2f} "
             f"{rows[-1]['pack_gbps']:>10.1f} {rows[-1]['unpack_gbps']:>11.1f}"
         )

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from signmuon.benchmarks.cli import check_device, positive_int
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
@@ -356,7 +357,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (ignored under torchrun)")
+    parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     parser.add_argument("--arch", default="resnet18", choices=["resnet18", "resnet50"], help="cifar10's model")
@@ -375,6 +376,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
     parser.add_argument("--plot", help="write test loss vs step / bytes / time as a PNG")
     args = parser.parse_args(argv)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:  # before anything trains: a typo must not cost the runs before it
+        parser.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    check_device(parser, args.device)
+    if args.task == "cifar10" and not args.data_dir:
+        parser.error("--task cifar10 needs --data-dir (the folder holding torchvision's cifar-10-batches-py)")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
+        parser.error(f"--ranks-per-node {args.ranks_per_node} must be >= 1 and divide --world-size {args.world_size}")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,

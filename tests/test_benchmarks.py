@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from signmuon.benchmarks import bandwidth
@@ -127,3 +128,26 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
     with pytest.raises(SystemExit, match="unknown command"):
         main(["trian"])
     assert set(COMMANDS) >= {"train", "bandwidth", "netem", "kernels", "ddp-step", "deepspeed-step"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--methods", "adamw", "lion"], "unknown method(s) ['lion']"),
+        (["train", "--world-size", "0"], "--world-size: 0 must be at least 1"),
+        (["train", "--task", "cifar10"], "--task cifar10 needs --data-dir"),
+        (["train", "--device", "cuda"] if not torch.cuda.is_available() else ["train", "--device", "tpu"], "--device"),
+        (["train", "--world-size", "4", "--ranks-per-node", "3"], "must be >= 1 and divide --world-size 4"),
+        (["bandwidth", "--sizes", "1Q"], "'1Q' is not a size"),
+        (["kernels", "--sizes", "0"], "must be at least one entry"),
+        (["ddp-step", "--world-size", "-2"], "-2 must be at least 1"),
+    ],
+)  # fmt: skip
+def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, message, capsys):
+    from signmuon.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "error:" in err[-1] and not any("Traceback" in line for line in err)

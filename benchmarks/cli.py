@@ -1,0 +1,46 @@
+"""Argument types every benchmark command shares: bad values end in one line and exit status 2
+(argparse's own error path) before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+__all__ = ["positive_int", "size", "check_device"]
+
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (world sizes, steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def size(text: str) -> int:
+    """An entry count such as ``4096``, ``64K``, ``16M`` or ``1G``."""
+    cleaned = text.strip().upper()
+    scale = _SUFFIX.get(cleaned[-1:], 1)
+    number = cleaned[:-1] if cleaned[-1:] in _SUFFIX else cleaned
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 64K, 16M, 1G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least one entry")
+    return value
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """``parser.error`` unless ``device`` is ``cpu``, or ``cuda`` on a build and machine that have it."""
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        parser.error(f"--device {device!r}: use cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
