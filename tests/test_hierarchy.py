@@ -18,40 +18,27 @@ from signmuon.benchmarks.launch import run_distributed
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook, vote_bytes_per_rank
 from signmuon.optim import SignMuon, SignumMV
 from signmuon.optim.newton_schulz import as_matrix, newton_schulz
+from tests.toys import batch, tiny_net
 
 LR, BETA = 0.01, 0.9
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def _batch(rank, step):
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)
-
-
 def _grads(params, rank, step):
     """This rank's gradient at ``params`` (a fresh net loaded with them)."""
-    net = _net()
+    net = tiny_net()
     with torch.no_grad():
         for p, v in zip(net.parameters(), params):
             p.copy_(v)
-    x, y = _batch(rank, step)
+    x, y = batch(rank, step)
     nn.functional.cross_entropy(net(x), y).backward()
     return [p.grad.clone() for p in net.parameters()]
 
 
 def _node_means(params, step, nodes, per_node):
+    """Each node's mean gradient, summed in rank order then divided, as the node all-reduce does."""
     grads = [_grads(params, r, step) for r in range(nodes * per_node)]
-    means = []
-    for n in range(nodes):
-        members = grads[n * per_node : (n + 1) * per_node]
-        total = [sum(g[i] for g in members[1:]) + 0 if per_node > 1 else members[0][i] for i in range(len(members[0]))]
-        means.append([members[0][i] + members[1][i] if per_node == 2 else total[i] for i in range(len(members[0]))])
-        means[-1] = [m / per_node for m in means[-1]]
-    return means
+    members = [grads[n * per_node : (n + 1) * per_node] for n in range(nodes)]
+    return [[sum(g[i] for g in node) / per_node for i in range(len(node[0]))] for node in members]
 
 
 def _vote(directions):
@@ -60,7 +47,7 @@ def _vote(directions):
 
 
 def _hook_worker(rank, world_size, kind, per_node, steps):
-    net = _net()
+    net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.0005)  # several buckets
     config = VoteConfig(tie="exact", hierarchical=True, ranks_per_node=per_node)
     if kind == "signmuon":
@@ -72,7 +59,7 @@ def _hook_worker(rank, world_size, kind, per_node, steps):
         opt = torch.optim.SGD(model.parameters(), lr=LR)
     trajectory = [[p.detach().clone() for p in net.parameters()]]
     for step in range(steps):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -122,12 +109,12 @@ def test_node_aware_hook_equals_node_level_reference(kind, world_size, per_node)
 
 
 def _in_step_worker(rank, world_size, per_node, steps):
-    net = _net()
+    net = tiny_net()
     config = VoteConfig(tie="exact", hierarchical=True, ranks_per_node=per_node)
     opt = SignumMV(net.parameters(), lr=LR, momentum=BETA, vote=config, vote_in_step=True)
     trajectory = [[p.detach().clone() for p in net.parameters()]]
     for step in range(steps):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
@@ -154,14 +141,14 @@ def test_node_aware_vote_in_step_equals_node_level_reference():
 
 
 def _flat_worker(rank, world_size, hierarchical, per_node):
-    net = _net()
+    net = tiny_net()
     model = DDP(net)
     config = VoteConfig(hierarchical=True, ranks_per_node=per_node) if hierarchical else VoteConfig()
     state = SignVoteState(momentum=BETA, start_iter=1, vote=config)
     model.register_comm_hook(state, sign_vote_hook)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(4):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -239,7 +226,7 @@ def test_bad_layout_fails_on_every_rank(env, match):
 
 
 def _resume_worker(rank, world_size, steps, load, save):
-    net = _net()
+    net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.0005)
     opt = SignMuon(net.parameters(), lr=LR, vote=VoteConfig(hierarchical=True, ranks_per_node=2, seed=3))
     opt.register_comm_hook(model)
@@ -250,7 +237,7 @@ def _resume_worker(rank, world_size, steps, load, save):
         opt.load_state_dict(saved["opt"])
         start = saved["step"]
     for step in range(start, start + steps):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()

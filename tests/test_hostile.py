@@ -24,24 +24,7 @@ from signmuon.comm_hooks import (
 )
 from signmuon.integrations.deepspeed import SignCompressedBackend
 from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV
-
-
-def _capture(fn):
-    try:
-        fn()
-        return None
-    except Exception as error:  # noqa: BLE001 - the tests inspect type and message
-        return f"{type(error).__name__}: {error}"
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def _batch(rank, step):
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)
+from tests.toys import batch, capture, tiny_net
 
 
 # --- sizes that differ between ranks ---------------------------------------------------------
@@ -49,7 +32,7 @@ def _batch(rank, step):
 
 def _sizes_worker(rank, world_size, sizes):
     x = -torch.ones(sizes[rank])
-    error = _capture(lambda: majority_vote(x, label="the test tensor"))
+    error = capture(lambda: majority_vote(x, label="the test tensor"))
     after = majority_vote(torch.full((100,), -1.0 if rank else 1.0))  # the group still works
     return error, after
 
@@ -69,7 +52,7 @@ def test_vote_sizes_that_differ_raise_on_every_rank(sizes):
 
 def _dtype_worker(rank, world_size):
     x = torch.ones(100, dtype=torch.float32 if rank == 0 else torch.bfloat16)
-    return _capture(lambda: majority_vote(x))
+    return capture(lambda: majority_vote(x))
 
 
 def test_vote_dtypes_that_differ_raise_on_every_rank():
@@ -82,7 +65,7 @@ def _dppf_shape_worker(rank, world_size):
     net = nn.Linear(4, 3 + rank)  # one rank's model is shaped differently
     net(torch.randn(2, 4)).sum().backward()
     averager = DPPFAverager(period=1, pull=0.5)
-    return _capture(lambda: averager.average_parameters(net.parameters()))
+    return capture(lambda: averager.average_parameters(net.parameters()))
 
 
 def test_dppf_with_a_differently_shaped_model_raises_on_every_rank():
@@ -92,7 +75,7 @@ def test_dppf_with_a_differently_shaped_model_raises_on_every_rank():
 
 def _replicas_count_worker(rank, world_size):
     tensors = [torch.ones(3) for _ in range(2 + rank)]
-    return _capture(lambda: check_replicas(tensors))
+    return capture(lambda: check_replicas(tensors))
 
 
 def test_check_replicas_with_different_tensor_counts_raises_on_every_rank():
@@ -126,7 +109,7 @@ def _unused_worker(rank, world_size, kind, steps):
     grads = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         use_b = rank == 1  # head_b has a gradient on rank 1 only, head_a on the others only
         nn.functional.cross_entropy(net(x, use_b), y).backward()
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()})
@@ -158,7 +141,7 @@ def _dppf_unused_worker(rank, world_size):
     net = _TwoHeads()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     averager = DPPFAverager(period=1, pull=1.0)
-    x, y = _batch(rank, 0)
+    x, y = batch(rank, 0)
     nn.functional.cross_entropy(net(x, rank == 1), y).backward()
     opt.step()
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
@@ -185,7 +168,7 @@ def _dppf_nan_worker(rank, world_size, nonfinite):
         with torch.no_grad():
             net.weight[0, 0] = float("nan")
     averager = DPPFAverager(period=1, pull=0.5, push=0.01, nonfinite=nonfinite)
-    error = _capture(lambda: averager.average_parameters(net.parameters()))
+    error = capture(lambda: averager.average_parameters(net.parameters()))
     finite = all(bool(torch.isfinite(p).all()) for p in net.parameters())
     return error, finite, averager.stats.skipped, averager.rounds
 
@@ -206,7 +189,7 @@ def test_dppf_never_spreads_one_ranks_nan(nonfinite):
 
 
 def _raise_then_continue_worker(rank, world_size, kind):
-    net = _net()
+    net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.0001)  # several buckets
     config = VoteConfig(nonfinite="raise")
     if kind == "signum":
@@ -218,11 +201,11 @@ def _raise_then_continue_worker(rank, world_size, kind):
         opt.register_comm_hook(model)
     log = []
     for step in range(6):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         if rank == 1 and step in (0, 3):  # step 0: the warm-up all-reduce (signum); 3: a vote
             x[0, 0] = float("nan")
         opt.zero_grad()
-        error = _capture(lambda: nn.functional.cross_entropy(model(x), y).backward())
+        error = capture(lambda: nn.functional.cross_entropy(model(x), y).backward())
         if error is None:
             opt.step()
         log.append(error)
@@ -238,20 +221,20 @@ def test_training_continues_after_a_caught_nonfinite_error(kind):
         assert all(log[i].startswith("NonFiniteError") for i in raised), log
         assert all(bool(torch.isfinite(p).all()) for p in params)
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
-    assert not all(torch.equal(a, p.detach()) for a, p in zip(results[0][1], _net().parameters())), "it trained"
+    assert not all(torch.equal(a, p.detach()) for a, p in zip(results[0][1], tiny_net().parameters())), "it trained"
 
 
 # --- stale iteration counters, world sizes, settings -------------------------------------------
 
 
 def _stale_worker(rank, world_size, start_iter, check_every):
-    model = DDP(_net())
+    model = DDP(tiny_net())
     state = SignVoteState(start_iter=start_iter, check_replicas_every=check_every)
     if rank == 1:
         state.iter = 5  # a state restored from an older checkpoint on this rank only
     model.register_comm_hook(state, sign_vote_hook)
-    x, y = _batch(rank, 0)
-    return _capture(lambda: nn.functional.cross_entropy(model(x), y).backward())
+    x, y = batch(rank, 0)
+    return capture(lambda: nn.functional.cross_entropy(model(x), y).backward())
 
 
 @pytest.mark.parametrize("start_iter, check_every", [(0, 0), (0, 5), (3, 0)], ids=["vote", "replica-check", "warmup"])
@@ -262,11 +245,11 @@ def test_stale_iteration_counter_raises_on_every_rank(start_iter, check_every):
 
 
 def _save_worker(rank, world_size):
-    net = _net()
+    net = tiny_net()
     model = DDP(net)
     opt = SignMuon(net.parameters(), lr=0.01)
     opt.register_comm_hook(model)
-    x, y = _batch(rank, 0)
+    x, y = batch(rank, 0)
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     state = SignVoteState(momentum=0.9)
@@ -278,7 +261,7 @@ def _save_worker(rank, world_size):
 def test_resume_on_another_world_size_raises_with_per_rank_files():
     saved = run_distributed(_save_worker, 2)
     checkpoint = torch.load(io.BytesIO(saved[1]), weights_only=True)  # our state dicts need no unpickling
-    net = _net()
+    net = tiny_net()
     opt = SignMuon(net.parameters(), lr=0.01)
     with pytest.raises(ValueError, match="2 rank.*1 rank.*same number of ranks"):
         opt.load_state_dict(checkpoint["opt"])
@@ -287,11 +270,11 @@ def test_resume_on_another_world_size_raises_with_per_rank_files():
 
 
 def _checkpoint_flag_worker(rank, world_size):
-    net = _net()
+    net = tiny_net()
     opt = SignMuon(net.parameters(), lr=0.01, vote_in_step=True, checkpoint_all_ranks=rank == 0)
-    x, y = _batch(rank, 0)
+    x, y = batch(rank, 0)
     nn.functional.cross_entropy(net(x), y).backward()
-    return _capture(opt.step)
+    return capture(opt.step)
 
 
 def test_checkpoint_all_ranks_is_compared_across_ranks():
@@ -323,7 +306,7 @@ def _replica_bits_worker(rank, world_size, case):
         tensors = [x if rank == 0 else x.flip(0)]
     else:  # identical NaN
         tensors = [torch.tensor([1.0, float("nan"), 3.0])]
-    return _capture(lambda: check_replicas(tensors, names=[f"t{i}" for i in range(len(tensors))]))
+    return capture(lambda: check_replicas(tensors, names=[f"t{i}" for i in range(len(tensors))]))
 
 
 CASES = ("swapped", "ulp", "permuted", "nan")
@@ -348,7 +331,7 @@ def test_check_replicas_compares_bits():
 
 
 def test_load_state_dict_validates_shapes_keys_and_dtypes():
-    net = _net()
+    net = tiny_net()
     opt = SignMuon(net.parameters(), lr=0.01, non_matrix="adamw")
     good = opt.state_dict()
     bad_shape = {**good, "state": {**good["state"], 0: {"momentum_buffer": torch.zeros(4)}}}
@@ -364,7 +347,7 @@ def test_load_state_dict_validates_shapes_keys_and_dtypes():
 
 
 def _weights_only_worker(rank, world_size):
-    net = _net()
+    net = tiny_net()
     loaded = []
     for opt in (SignMuon(net.parameters(), lr=0.01, vote_in_step=True, checkpoint_all_ranks=True),
                 SignumMV(net.parameters(), lr=0.01, vote_in_step=True)):  # fmt: skip

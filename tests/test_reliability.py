@@ -23,24 +23,7 @@ from signmuon.comm_hooks import (
     sign_vote_hook,
 )
 from signmuon.optim import DPPFAverager, SignMuon
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def _batch(rank, step):
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)
-
-
-def _capture(fn):
-    try:
-        fn()
-        return None
-    except Exception as error:  # noqa: BLE001 - the tests inspect type and message
-        return f"{type(error).__name__}: {error}"
+from tests.toys import batch, capture, tiny_net
 
 
 # --- non-finite gradients ------------------------------------------------------------------
@@ -52,7 +35,7 @@ def _nonfinite_collective_worker(rank, world_size):
         x[17] = float("nan")
     stats = CommStats()
     skipped = majority_vote(x, stats=stats)
-    raised = _capture(lambda: majority_vote(x, config=VoteConfig(nonfinite="raise")))
+    raised = capture(lambda: majority_vote(x, config=VoteConfig(nonfinite="raise")))
     clean = majority_vote(torch.randn(1000, generator=torch.Generator().manual_seed(rank)), stats=stats)
     return skipped, stats.skipped, raised, clean
 
@@ -67,7 +50,7 @@ def test_nonfinite_input_is_skipped_or_raised_on_every_rank(world_size):
 
 
 def _nonfinite_training_worker(rank, world_size, kind):
-    net = _net()
+    net = tiny_net()
     model = DDP(net)
     if kind == "signum":
         state = SignVoteState(momentum=0.9, start_iter=1)
@@ -80,7 +63,7 @@ def _nonfinite_training_worker(rank, world_size, kind):
         stats = opt.comm_state.stats
     before_bad = None
     for step in range(5):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         if step == 3 and rank == 0:
             x[0, 0] = float("inf")  # poisons every gradient on rank 0 (NaN through tanh' and softmax)
             before_bad = [p.detach().clone() for p in net.parameters()]
@@ -138,7 +121,7 @@ def test_byzantine_fault_flips_only_faulty_ranks():
 
 
 def _replica_worker(rank, world_size):
-    net = _net()
+    net = tiny_net()
     model = DDP(net)
     model.register_comm_hook(SignVoteState(start_iter=0, check_replicas_every=2), sign_vote_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -148,12 +131,12 @@ def _replica_worker(rank, world_size):
             with torch.no_grad():
                 net[2].bias[0] += 1e-3  # a silent divergence
         opt.zero_grad()
-        x, y = _batch(rank, step)
-        errors.append(_capture(lambda: nn.functional.cross_entropy(model(x), y).backward()))
+        x, y = batch(rank, step)
+        errors.append(capture(lambda: nn.functional.cross_entropy(model(x), y).backward()))
         if errors[-1]:
             break
         opt.step()
-    standalone = _capture(lambda: check_replicas(net))
+    standalone = capture(lambda: check_replicas(net))
     return errors, standalone
 
 
@@ -167,16 +150,16 @@ def test_divergent_replicas_are_named():
 
 def _mismatch_worker(rank, world_size):
     errors = {}
-    model = DDP(_net())
+    model = DDP(tiny_net())
     model.register_comm_hook(SignVoteState(momentum=0.9 if rank == 0 else 0.5, start_iter=1), sign_vote_hook)
-    x, y = _batch(rank, 0)
-    errors["hook"] = _capture(lambda: nn.functional.cross_entropy(model(x), y).backward())
-    net = _net()
+    x, y = batch(rank, 0)
+    errors["hook"] = capture(lambda: nn.functional.cross_entropy(model(x), y).backward())
+    net = tiny_net()
     opt = SignMuon(net.parameters(), lr=0.01, ns_steps=5 + rank, vote_in_step=True)
     nn.functional.cross_entropy(net(x), y).backward()
-    errors["signmuon"] = _capture(opt.step)
+    errors["signmuon"] = capture(opt.step)
     averager = DPPFAverager(period=4 + rank, pull=0.5)
-    errors["dppf"] = _capture(lambda: averager.average_parameters(net.parameters()))
+    errors["dppf"] = capture(lambda: averager.average_parameters(net.parameters()))
     return errors
 
 
@@ -191,7 +174,7 @@ def test_mismatched_settings_raise_on_every_rank():
 
 
 def _join_worker(rank, world_size):
-    net = _net()
+    net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.0001)  # several buckets, so the pipelined votes are exercised
     state = SignVoteState(start_iter=0)
     model.register_comm_hook(state, sign_vote_hook)
@@ -199,7 +182,7 @@ def _join_worker(rank, world_size):
     with Join([model]):
         for step in range(3 + 2 * rank):  # rank 1 has two more batches
             opt.zero_grad()
-            x, y = _batch(rank, step)
+            x, y = batch(rank, step)
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     return [p.detach().clone() for p in net.parameters()], state.iter
@@ -219,7 +202,7 @@ def _dead_rank_worker(rank, world_size, out_dir):
         time.sleep(0.5)  # let the barrier's last messages land
         os._exit(0)  # dies before the vote
     start = time.monotonic()
-    outcome = _capture(lambda: majority_vote(torch.randn(4096), group))
+    outcome = capture(lambda: majority_vote(torch.randn(4096), group))
     torch.save((outcome, time.monotonic() - start), os.path.join(out_dir, f"survivor{rank}.pt"))
     os._exit(0)  # the default group has a dead member too: leave without its barrier
 
@@ -236,7 +219,7 @@ def test_dead_rank_fails_the_others_within_the_timeout(tmp_path):
 
 
 def _resume_worker(rank, world_size, steps, load, save, tie="exact"):
-    net = _net()
+    net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.001)  # several buckets, which DDP rebuilds after a restart
     # Fast-mode coins are keyed to (seed, iteration, parameter, position), not to the bucket
     # layout, so they too are drawn the same after a restart.
@@ -254,7 +237,7 @@ def _resume_worker(rank, world_size, steps, load, save, tie="exact"):
         start = saved["step"]
     for step in range(start, start + steps):
         opt.zero_grad()
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         averager.average_parameters(net.parameters())
