@@ -2,8 +2,11 @@
 
 The same ~10M-parameter MLP, the same data, one run: the engine with a plain SGD client
 optimizer (DeepSpeed all-reduces the gradients) and with ``SignSGDMV`` / ``SignMuon`` from the
-config (all-reduce off, one-bit majority vote in the optimizer). Reports step time as a ratio
-to the all-reduce engine and bytes sent per rank per step.
+config (all-reduce off, one-bit majority vote overlapped with backward, as the DDP hook does).
+``ddp_signsgd_mv`` is the reference the engine should match: plain DDP with ``SignSGDMV``'s hook
+on the same model in the same run; ``signsgd_mv_in_step`` votes in ``step()`` after backward
+(``initialize(..., overlap_backward=False)``). Reports step time as a ratio to the all-reduce engine and to
+that DDP step, and bytes sent per rank per step.
 
     python -m signmuon.benchmarks.deepspeed_step --world-size 2
 """
@@ -20,12 +23,12 @@ from torch import nn
 from signmuon.benchmarks.ddp_step import mlp
 from signmuon.benchmarks.launch import run_distributed, timed_calls
 
-METHODS = ("allreduce", "signsgd_mv", "signmuon")
+METHODS = ("allreduce", "signsgd_mv", "signsgd_mv_in_step", "signmuon", "ddp_signsgd_mv")
 
 
 def _config(method: str, batch: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0}
-    if method == "signsgd_mv":
+    if method.startswith("signsgd_mv"):
         config["optimizer"] = {"type": "SignSGDMV", "params": {"lr": 1e-4}}
     elif method == "signmuon":
         config["optimizer"] = {"type": "SignMuon", "params": {"lr": 1e-4}}
@@ -33,31 +36,62 @@ def _config(method: str, batch: int) -> dict:
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    from signmuon.integrations import deepspeed as sm_ds
-
-    rows = []
-    for method in args.methods:
-        torch.manual_seed(0)
-        model = mlp(args.width, args.depth)
-        client = torch.optim.SGD(model.parameters(), lr=1e-4) if method == "allreduce" else None
-        engine, optimizer, _, _ = sm_ds.initialize(model=model, config=_config(method, args.batch), optimizer=client)
-        x = torch.randn(args.batch, 512)
-        y = torch.randint(0, 10, (args.batch,))
-
-        def step():
-            engine.backward(nn.functional.cross_entropy(engine(x), y))
-            engine.step()
-
+    # Every method is built first and then timed in interleaved rounds, so drift on a shared
+    # machine (and whatever runs first paying the allocator's warm-up) hits all methods alike.
+    setups = {method: _setup(method, args) for method in args.methods}
+    for step, _, _ in setups.values():
         timed_calls(step, args.warmup)
-        sent_before = optimizer.stats.bytes_sent if hasattr(optimizer, "stats") else 0
-        times = timed_calls(step, args.steps)
-        params = sum(p.numel() for p in model.parameters())
-        if hasattr(optimizer, "stats"):
-            per_step = (optimizer.stats.bytes_sent - sent_before) / args.steps
+    sent_before = {m: stats.bytes_sent if stats is not None else 0 for m, (_, stats, _) in setups.items()}
+    times: dict[str, list[float]] = {m: [] for m in setups}
+    for _ in range(args.steps):
+        for method, (step, _, _) in setups.items():
+            times[method] += timed_calls(step, 1)
+    rows = []
+    for method, (_, stats, params) in setups.items():
+        if stats is not None:
+            per_step = (stats.bytes_sent - sent_before[method]) / args.steps
         else:
             per_step = 2 * (world_size - 1) * params * 4 / world_size  # ring all-reduce of fp32 gradients
-        rows.append({"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step})
+        rows.append({"method": method, "params": params, "step_s": statistics.median(times[method]), "bytes_per_rank": per_step})
     return rows
+
+
+def _setup(method: str, args: argparse.Namespace):
+    """(one training step, the statistics counting its bytes or None for DeepSpeed's all-reduce,
+    parameter count) of ``method`` on a fresh copy of the model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from signmuon.integrations import deepspeed as sm_ds
+    from signmuon.optim import SignSGDMV
+
+    torch.manual_seed(0)
+    model = mlp(args.width, args.depth)
+    params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(args.batch, 512)
+    y = torch.randint(0, 10, (args.batch,))
+    if method == "ddp_signsgd_mv":  # the same step under DDP with SignSGDMV's hook
+        optimizer = SignSGDMV(model.parameters(), lr=1e-4)
+        ddp = DDP(model)
+        state = optimizer.register_comm_hook(ddp)
+
+        def ddp_step():
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+
+        return ddp_step, state.stats, params
+    client = torch.optim.SGD(model.parameters(), lr=1e-4) if method == "allreduce" else None
+    engine, optimizer, _, _ = sm_ds.initialize(
+        model=model, config=_config(method, args.batch), optimizer=client, overlap_backward=not method.endswith("in_step")
+    )
+
+    def engine_step():
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+
+    # Overlapped, the hook state counts the bytes; voting in step(), the optimizer does.
+    stats = None if method == "allreduce" else optimizer.stats if optimizer.vote_in_step else optimizer.comm_state.stats
+    return engine_step, stats, params
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -74,10 +108,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = run_distributed(_worker, args.world_size, args, timeout=1200)[0]
     base = next(r["step_s"] for r in rows if r["method"] == "allreduce") if "allreduce" in args.methods else None
     print(f"DeepSpeed engine, world_size={args.world_size}, params={rows[0]['params'] / 1e6:.1f}M")
-    print(f"{'method':>11} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13}")
+    ddp = next((r["step_s"] for r in rows if r["method"] == "ddp_signsgd_mv"), None)
+    print(f"{'method':>14} {'step ms':>9} {'vs fp32':>8} {'vs DDP hook':>12} {'MB/rank/step':>13}")
     for r in rows:
         ratio = r["step_s"] / base if base else float("nan")
-        print(f"{r['method']:>11} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.3f}")
+        vs_ddp = r["step_s"] / ddp if ddp else float("nan")
+        print(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {vs_ddp:>12.2f} {r['bytes_per_rank'] / 1e6:>13.3f}")
     return rows
 
 

@@ -1,5 +1,6 @@
 """Communication: sign bit packing, the majority-vote collective, DDP hooks and their state."""
 
+from .backward_reducer import BackwardReducer, ReadyBucket
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, VoteConfig
 from .consistency import (
@@ -39,6 +40,7 @@ __all__ = [
     "ALGORITHMS",
     "allreduce_hook",
     "allreduce_mean",
+    "BackwardReducer",
     "bits_to_bytes",
     "ByzantineFault",
     "check_replicas",
@@ -67,6 +69,7 @@ __all__ = [
     "pack_signs",
     "pack_signs_reference",
     "packed_size",
+    "ReadyBucket",
     "ReplicaDivergenceError",
     "settings_digest",
     "SettingsMismatchError",

@@ -94,7 +94,9 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
         return _node_aware(state, bucket, layout, voted)
     for p, g, v in zip(params, grads, voted):
         if v:
-            g.copy_(opt.local_direction(p, g))
+            direction = opt.local_direction(p, g)
+            if direction is not g:  # signSGD's direction is the gradient itself
+                g.copy_(direction)
     if all(voted):
         return state.vote(bucket, grad, out=grad)
     if not any(voted):

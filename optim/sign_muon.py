@@ -27,13 +27,14 @@ On several ranks without either, ``step()`` raises rather than silently applying
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import (
+    BackwardReducer,
     CommStats,
     NonFiniteError,
     SignMuonHookState,
@@ -131,9 +132,10 @@ class SignMuon(torch.optim.Optimizer):
             DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
             rank's part). Off by default: then each rank saves its own ``state_dict()``.
 
-    Under the DDP hook, ``step()`` applies the *sign* of what the vote left in ``.grad``, so
-    gradient clipping, GradScaler unscaling or averaging over accumulated micro-batches (any
-    positive rescaling of ``.grad`` between backward and ``step()``) changes nothing.
+    Under the DDP hook (or :meth:`register_backward_reducer`), ``step()`` applies the *sign* of
+    what the vote left in ``.grad`` (and leaves that sign in ``.grad``), so gradient clipping,
+    GradScaler unscaling or averaging over accumulated micro-batches (any positive rescaling of
+    ``.grad`` between backward and ``step()``) changes nothing.
     """
 
     _default_use_muon: bool | None = None  # param groups' default: None decides by shape
@@ -251,6 +253,8 @@ class SignMuon(torch.optim.Optimizer):
         buf = self.state[param]["momentum_buffer"]
         if group["coupled_weight_decay"]:
             grad = grad.add(param, alpha=group["coupled_weight_decay"])
+        if beta == 0 and path != "matrix":
+            return grad  # signSGD: the gradient is the direction (no momentum to keep)
         buf.lerp_(grad, 1 - beta)
         direction = grad.lerp(buf, beta) if group["nesterov"] else buf
         if path == "matrix":
@@ -309,6 +313,21 @@ class SignMuon(torch.optim.Optimizer):
         ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)
         return self.comm_state
 
+    def register_backward_reducer(
+        self, *, sync: Callable[[], bool] | None = None, bucket_cap_mb: float = 25.0
+    ) -> BackwardReducer:
+        """Without DDP: run :func:`sign_muon_hook` on buckets as backward produces them.
+
+        What DDP does with the hook, for loops without DDP (a DeepSpeed engine, a hand-written
+        loop): after ``loss.backward()`` the gradients hold the vote and ``step()`` applies it.
+        ``sync`` says whether this backward ends a gradient-accumulation window (see
+        :class:`~signmuon.comm_hooks.BackwardReducer`). Set ``process_group`` before calling.
+        """
+        if self.vote_in_step:
+            raise ValueError("register_backward_reducer() votes in backward; create the optimizer with vote_in_step=False")
+        params = [p for group in self.param_groups for p in group["params"]]
+        return BackwardReducer(params, self.comm_state, sign_muon_hook, sync=sync, bucket_cap_mb=bucket_cap_mb)
+
     def _check_hook_ran(self) -> None:
         # Backward passes that raised NonFiniteError (caught by the user) left zero gradients.
         raised = self._comm_state.raised - self._hook_raised_seen
@@ -366,7 +385,8 @@ class SignMuon(torch.optim.Optimizer):
         averaged = [(g, p, path) for g, path, p in entries if path == "adamw"]
         if hook_mode:
             # The hook left the vote in .grad; its sign undoes any rescaling since (clipping).
-            signs = [torch.sign(p.grad) for _, p, _ in voted]
+            # In place: a fresh tensor per parameter per step costs more than the sign itself.
+            signs = [p.grad.sign_() for _, p, _ in voted]
             means = [p.grad for _, p, _ in averaged]
         elif self._node_layout() is not None:
             signs, means = self._node_aware(voted, averaged, self._node_layout())

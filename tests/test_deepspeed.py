@@ -42,24 +42,33 @@ def _config(gas=1, optimizer_type="SignMuon", **extra):
     }
 
 
-def _deepspeed_run(rank, world_size, gas, steps, start=0, load=None, save=None, scheduler=False):
+def _deepspeed_run(rank, world_size, gas, steps, start=0, load=None, save=None, scheduler=False, overlap=True, clip=0.0):
     extra = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}}} if scheduler else {}
     model = _model()
-    engine, optimizer, _, lr_scheduler = initialize(model=model, config=_config(gas, **extra))
+    config = {**_config(gas, **extra), "gradient_clipping": clip}
+    engine, optimizer, _, lr_scheduler = initialize(model=model, config=config, overlap_backward=overlap)
     assert engine.enable_backward_allreduce is False
     if load:
         engine.load_checkpoint(load, tag="t")
-    history, lrs = [], []
+    history, lrs, voted_in_backward = [], [], []
     for step in range(start, start + steps):
         for micro in range(gas):
             x, y = _micro_batch(rank, step, micro)
             engine.backward(nn.functional.cross_entropy(engine(x), y))
+            # Overlapped: the vote (entries in {-1, 0, 1}) is in .grad when backward returns,
+            # and only at the accumulation boundary.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            voted_in_backward.append(all(bool(((g == 0) | (g.abs() == 1)).all()) for g in grads))
             engine.step()
         history.append([p.detach().clone() for p in model.parameters()])
         lrs.append(optimizer.param_groups[0]["lr"])
     if save:
         engine.save_checkpoint(save, tag="t")
-    return dict(history=history, lrs=lrs, scheduler=type(lr_scheduler).__name__)
+    hook_calls = optimizer.comm_state.stats.calls if overlap else 0
+    return dict(
+        history=history, lrs=lrs, scheduler=type(lr_scheduler).__name__, voted_in_backward=voted_in_backward,
+        hook_calls=hook_calls, step_bytes=optimizer.stats.bytes_sent,
+    )  # fmt: skip
 
 
 def _ddp_run(rank, world_size, gas, steps):
@@ -80,17 +89,31 @@ def _ddp_run(rank, world_size, gas, steps):
     return dict(history=history)
 
 
-def _both(rank, world_size, gas):
-    return _deepspeed_run(rank, world_size, gas, STEPS), _ddp_run(rank, world_size, gas, STEPS)
+def _both(rank, world_size, gas, overlap, clip):
+    return _deepspeed_run(rank, world_size, gas, STEPS, overlap=overlap, clip=clip), _ddp_run(rank, world_size, gas, STEPS)
 
 
-@pytest.mark.parametrize("gas", [1, 2])
-def test_config_signmuon_equals_ddp_hook_step_for_step(gas):
-    results = run_distributed(_both, 2, gas, timeout=600)
+@pytest.mark.parametrize(
+    "gas, overlap, clip",
+    [(1, True, 1.0), (2, True, 0.01), (2, False, 0.0)],
+    ids=["overlapped-default-clipping", "overlapped-accumulation-clipping", "in-step-accumulation"],
+)
+def test_config_signmuon_equals_ddp_hook_step_for_step(gas, overlap, clip):
+    """The engine votes as the DDP hook does (overlapped: in backward, only at accumulation
+    boundaries; DeepSpeed's gradient clipping then rescales the vote and changes nothing)."""
+    results = run_distributed(_both, 2, gas, overlap, clip, timeout=600)
     for rank, (ds, ddp) in enumerate(results):
         for step in range(STEPS):
             for a, b in zip(ds["history"][step], ddp["history"][step]):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step}")
+        if overlap:
+            boundary = [micro == gas - 1 for _ in range(STEPS) for micro in range(gas)]
+            assert ds["voted_in_backward"][gas - 1 :: gas] == boundary[gas - 1 :: gas]
+            if gas > 1:  # the first micro-batch's gradient is raw, not voted
+                assert not any(ds["voted_in_backward"][0::gas])
+            assert ds["hook_calls"] >= STEPS and ds["step_bytes"] == 0
+        else:
+            assert ds["hook_calls"] == 0 and ds["step_bytes"] > 0
     assert not torch.equal(results[0][0]["history"][0][0], results[0][0]["history"][-1][0])
     for a, b in zip(results[0][0]["history"][-1], results[1][0]["history"][-1]):
         assert torch.equal(a, b), "replicas diverged"
@@ -248,7 +271,7 @@ def _node_aware_both(rank, world_size):
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         hooked.append([p.detach().clone() for p in net.parameters()])
-    return ds, hooked, (ds_opt.stats.bytes_sent_inside_node, opt.comm_state.stats.bytes_sent_inside_node)
+    return ds, hooked, (ds_opt.comm_state.stats.bytes_sent_inside_node, opt.comm_state.stats.bytes_sent_inside_node)
 
 
 def test_config_vote_section_runs_the_node_aware_vote():

@@ -89,21 +89,27 @@ def initialize(
     config: str | os.PathLike | dict,
     model_parameters=None,
     optimizer=None,
+    overlap_backward: bool = True,
     **kwargs: Any,
 ):
     """``deepspeed.initialize`` that also understands our optimizer types.
 
     If ``config["optimizer"]["type"]`` is ``SignMuon``, ``SignumMV`` or ``SignSGDMV`` (any
     case), the optimizer is built from its ``"params"`` (unknown keys are rejected with the
-    valid list), DeepSpeed's own gradient all-reduce is switched off, and the optimizer's
-    ``step()`` majority-votes across the data-parallel ranks with the same collective as the
-    DDP hook. A top-level ``"vote"`` section sets the vote (the fields of ``VoteConfig``:
+    valid list), DeepSpeed's own gradient all-reduce is switched off, and the workers'
+    directions are majority-voted across the data-parallel ranks with the same hook and
+    collective as under DDP: bucket by bucket as ``engine.backward`` produces the gradients
+    (:class:`~signmuon.comm_hooks.BackwardReducer`), only at gradient-accumulation boundaries,
+    so the vote overlaps the backward pass; ``engine.step()`` applies it. With
+    ``overlap_backward=False`` the optimizer's ``step()`` votes instead (after backward; it
+    also handles parameters that only some ranks use without voting zeros for them). A top-level ``"vote"`` section sets the vote (the fields of ``VoteConfig``:
     ``tie``, ``seed``, ``algorithm``, ``nonfinite``, ``kernels``; unknown keys are refused). Every other key goes to DeepSpeed unchanged; a config with none of our types
     is handed to ``deepspeed.initialize`` exactly as given.
 
-    DeepSpeed clips gradients at norm 1.0 unless the config sets ``"gradient_clipping"``; with
-    our types that clips each worker's local gradient before its momentum. Set it to 0 for the
-    exact math of the DDP hook.
+    DeepSpeed clips gradients at norm 1.0 unless the config sets ``"gradient_clipping"``. With
+    the overlapped vote it clips the voted ±1 tensor, whose sign ``step()`` takes, so it changes
+    nothing; with ``overlap_backward=False`` it clips each worker's local gradient before its
+    momentum: set it to 0 there for the exact math of the DDP hook.
 
     Refused for any config: a monitor ``job_name`` (``csv_monitor``, ``tensorboard``, ``wandb``,
     ``comet``) that is a path rather than a name, since DeepSpeed would write outside its
@@ -143,11 +149,13 @@ def initialize(
     trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     # checkpoint_all_ranks: DeepSpeed writes the optimizer state from rank 0 only, but
     # the momentum is each worker's own.
-    opt = optimizer_class(trainable, vote=vote, vote_in_step=True, checkpoint_all_ranks=True, **params)
+    opt = optimizer_class(trainable, vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=True, **params)
     config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote")}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         model=model, config=config_rest, optimizer=opt, **kwargs
     )
     engine.enable_backward_allreduce = False  # the vote in opt.step() is the gradient reduction
     opt.process_group = engine.data_parallel_group  # vote among data-parallel replicas only
+    if overlap_backward:
+        opt.register_backward_reducer(sync=engine.is_gradient_accumulation_boundary)
     return engine, ds_optimizer, loader, scheduler
