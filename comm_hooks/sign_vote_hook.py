@@ -102,6 +102,7 @@ class VoteHookState:
         # statistics
         "stats",
         "raised",
+        "buckets_seen",
     )
 
     def __init__(
@@ -130,6 +131,7 @@ class VoteHookState:
         self.pending: collections.deque[tuple[VoteWork, torch.futures.Future, Callable | None]] = collections.deque()
         self.stats = CommStats()
         self.raised = 0  # iterations whose backward raised NonFiniteError
+        self.buckets_seen = 0  # hook calls ever (check_called_by_first_step reads it)
 
     def settings(self) -> dict:
         """What must be equal on every rank (compared once, at the first hook call)."""
@@ -167,10 +169,40 @@ class VoteHookState:
             if self.nonfinite == "raise":
                 self.raise_queued = _raise_after_backward(self)
         self.bucket_calls += 1
+        self.buckets_seen += 1
         if self.check_replicas_every and self.iter % self.check_replicas_every == 0:
             params = bucket.parameters()
             names = [f"bucket {bucket.index()} parameter {j} (shape {tuple(p.shape)})" for j, p in enumerate(params)]
             check_replicas(params, self.process_group, names=names)
+
+    def check_called_by_first_step(self, optimizer: torch.optim.Optimizer, fix: str = "") -> None:
+        """Raise ``RuntimeError`` at ``optimizer``'s first step if the hook has not run by then.
+
+        Frameworks can drop a registered hook without a word (one registers comm hooks on CUDA
+        only, one ignores hooks it does not know): training then goes on with unreduced local
+        gradients and the replicas drift apart. ``fix`` (what to do in the framework at hand)
+        ends the message. Checked once; later steps are not watched. A step given a closure
+        (Lightning's) runs backward inside ``step()``, so that step is checked when it returns.
+        """
+        seen = self.buckets_seen
+        handles: list = []
+
+        def check(opt: torch.optim.Optimizer) -> None:
+            for handle in handles:
+                handle.remove()
+            if self.buckets_seen == seen:
+                raise RuntimeError(
+                    f"{type(opt).__name__}.step(): the {type(self).__name__} communication hook has not run since it "
+                    "was registered, so the gradients were never voted and each rank would train alone. "
+                    + (fix or "Register it on the DistributedDataParallel model that runs the backward pass.")
+                )
+
+        def before(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            if not args and kwargs.get("closure") is None:
+                check(opt)
+
+        handles.append(optimizer.register_step_pre_hook(before))
+        handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: check(opt)))
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         # The last bucket is reduced last, so the count moves once per synchronised step.
@@ -319,6 +351,7 @@ class VoteHookState:
         self.deferred_error = None
         self.raise_queued = False
         self.layout = None
+        self.buckets_seen = 0
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
             setattr(self, slot, value)

@@ -1,7 +1,7 @@
 """Optimisation math: Newton–Schulz, SignMuon, the Muon baseline, the DPPF averager."""
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
-from .dppf import DPPFAverager, local_sgd
+from .dppf import DPPFAverager, local_sgd, register_local_sgd_hook
 from .muon_baseline import MuonWithAdamW
 from .sign_muon import SignMuon, parameter_path
 from .sign_vote_optim import SignSGDMV, SignumMV
@@ -18,6 +18,7 @@ __all__ = [
     "as_matrix",
     "inverse_mean_valley",
     "local_sgd",
+    "register_local_sgd_hook",
     "newton_schulz",
     "parameter_path",
 ]

@@ -43,7 +43,7 @@ from signmuon.comm_hooks import (
     settings_digest,
 )
 
-__all__ = ["DPPFAverager", "local_sgd", "DISTANCES"]
+__all__ = ["DPPFAverager", "local_sgd", "register_local_sgd_hook", "DISTANCES"]
 
 DISTANCES = ("model", "tensor")
 
@@ -341,11 +341,18 @@ def local_sgd(
     ``optimizer`` in ``PostLocalSGDOptimizer(optimizer, averager)``, whose ``state_dict``
     also records the averager's step. All ranks must call it (it creates subgroups).
     """
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
     from torch.distributed.optim import PostLocalSGDOptimizer
 
-    group = averager.process_group
-    alone, _ = dist.new_subgroups(group_size=1)
-    state = PostLocalSGDState(process_group=group, subgroup=alone, start_localSGD_iter=averager.warmup_steps)
-    ddp_model.register_comm_hook(state, post_localSGD_hook)
+    register_local_sgd_hook(ddp_model, averager)
     return PostLocalSGDOptimizer(optimizer, averager)
+
+
+def register_local_sgd_hook(ddp_model: nn.parallel.DistributedDataParallel, averager: ModelAverager) -> None:
+    """The communication half of :func:`local_sgd`: gradients all-reduced for
+    ``averager.warmup_steps`` steps, then none leaves its worker (for frameworks that call
+    ``averager.average_parameters`` after each optimizer step themselves). All ranks call it."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+
+    alone, _ = dist.new_subgroups(group_size=1)
+    state = PostLocalSGDState(process_group=averager.process_group, subgroup=alone, start_localSGD_iter=averager.warmup_steps)
+    ddp_model.register_comm_hook(state, post_localSGD_hook)

@@ -1,0 +1,117 @@
+"""Lightning: a DDP strategy that votes, on CPU and GPU alike.
+
+Lightning's ``DDPStrategy`` registers communication hooks on CUDA devices only (on CPU a hook
+passed to it is never called), and its model averaging accepts only torch's
+``PeriodicModelAverager``. :class:`SignDDPStrategy` is the one object to pass instead::
+
+    import lightning.pytorch as pl
+    from signmuon.integrations.lightning import SignDDPStrategy
+
+    class Net(pl.LightningModule):
+        def configure_optimizers(self):
+            return SignMuon(self.parameters(), lr=2e-3)   # its hook is registered for you
+
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=SignDDPStrategy(),
+                         gradient_clip_val=1.0)           # clipping cannot shrink a sign step
+    trainer.fit(Net(), loader)
+
+Needs ``pip install 'signmuon[lightning]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("signmuon.integrations.lightning needs Lightning: pip install 'signmuon[lightning]'") from error
+
+from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+from signmuon.optim import DPPFAverager, SignMuon, register_local_sgd_hook
+
+__all__ = ["SignDDPStrategy"]
+
+_FOREIGN = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class SignDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` whose gradient reduction is one of ours, registered on any device.
+
+    Args:
+        comm_state: a :class:`~signmuon.comm_hooks.SignVoteState`: the bare sign-vote hook
+            (signSGD-MV or Signum-MV) with whatever optimizer ``configure_optimizers`` returns.
+            That optimizer applies the vote as it finds it in ``.grad``, so Lightning's
+            ``gradient_clip_val`` would shrink every step: refused together (use ``SignumMV``
+            / ``SignSGDMV`` instead, whose steps take the sign and ignore clipping).
+        averager: a :class:`~signmuon.optim.DPPFAverager`: local SGD with pull and push. After
+            its warm-up no gradient leaves a worker; every optimizer step ends with
+            ``averager.average_parameters`` (a round every ``period`` steps).
+        **kwargs: everything else ``DDPStrategy`` takes (``process_group_backend``, ``timeout``,
+            DDP's own keyword arguments...). Lightning's ``ddp_comm_*`` and
+            ``model_averaging_period`` are refused: the arguments above replace them.
+
+    With neither, ``configure_optimizers`` must return a ``SignMuon`` / ``SignumMV`` /
+    ``SignSGDMV``, whose own hook is registered (``opt.register_comm_hook(ddp_model)``).
+    Hooks are registered once the DDP model and the optimizers exist, before the first batch;
+    a hook that has still not run by the first optimizer step raises there.
+    """
+
+    def __init__(
+        self, *, comm_state: SignVoteState | None = None, averager: DPPFAverager | None = None, **kwargs: Any
+    ) -> None:
+        given = sorted(set(kwargs) & set(_FOREIGN))
+        if given:
+            raise ValueError(
+                f"SignDDPStrategy sets the gradient reduction itself; {given} would compete with it: pass "
+                "comm_state=SignVoteState(...), averager=DPPFAverager(...), or a SignMuon from configure_optimizers"
+            )
+        if comm_state is not None and not isinstance(comm_state, SignVoteState):
+            raise TypeError(f"comm_state must be a SignVoteState, got {type(comm_state).__name__}")
+        if averager is not None and not isinstance(averager, DPPFAverager):
+            raise TypeError(f"averager must be a DPPFAverager, got {type(averager).__name__}")
+        if comm_state is not None and averager is not None:
+            raise ValueError("comm_state and averager are two gradient reductions for one model; pass one")
+        super().__init__(**kwargs)
+        self.comm_state = comm_state
+        self.averager = averager
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # wraps the model in DDP, then sets up the optimizers
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._register_reduction(trainer)
+
+    def _register_reduction(self, trainer: pl.Trainer) -> None:
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        voting = [o for o in optimizers if isinstance(o, SignMuon)]
+        if (self.comm_state is not None or self.averager is not None) and voting:
+            raise ValueError(
+                f"configure_optimizers returned {type(voting[0]).__name__}, which registers its own hook, and "
+                "SignDDPStrategy was given comm_state or averager too; use one of the two"
+            )
+        if self.comm_state is not None:
+            if trainer.gradient_clip_val:
+                raise ValueError(
+                    f"gradient_clip_val={trainer.gradient_clip_val} with the bare sign-vote hook: clipping shrinks the "
+                    "voted ±1 gradient and so every step of a plain optimizer. Return signmuon.optim.SignumMV or "
+                    "SignSGDMV from configure_optimizers (no comm_state needed), or set gradient_clip_val=None"
+                )
+            self.model.register_comm_hook(self.comm_state, sign_vote_hook)
+            for optimizer in optimizers:
+                self.comm_state.check_called_by_first_step(
+                    optimizer, fix="Under Lightning, pass the state as SignDDPStrategy(comm_state=...) and train with it."
+                )
+        elif self.averager is not None:
+            register_local_sgd_hook(self.model, self.averager)
+            self._model_averager = self.averager  # DDPStrategy.optimizer_step calls average_parameters
+        elif len(voting) == 1:
+            voting[0].register_comm_hook(self.model)
+        else:
+            found = ", ".join(type(o).__name__ for o in optimizers) or "none"
+            raise ValueError(
+                "SignDDPStrategy needs one sign-voting optimizer (SignMuon, SignumMV or SignSGDMV) from "
+                f"configure_optimizers, or comm_state / averager; got optimizers: {found}"
+            )
