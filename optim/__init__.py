@@ -4,13 +4,14 @@ from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 from .dppf import DPPFAverager, local_sgd, register_local_sgd_hook
 from .muon_baseline import MuonWithAdamW
 from .sign_muon import SignMuon, parameter_path
-from .sign_vote_optim import SignSGDMV, SignumMV
+from .sign_vote_optim import SIGN_OPTIMIZERS, SignSGDMV, SignumMV, sign_optimizer_from_spec
 from .valley import ValleyResult, inverse_mean_valley
 
 __all__ = [
     "DPPFAverager",
     "MUON_COEFFICIENTS",
     "MuonWithAdamW",
+    "SIGN_OPTIMIZERS",
     "SignMuon",
     "SignSGDMV",
     "SignumMV",
@@ -21,4 +22,5 @@ __all__ = [
     "register_local_sgd_hook",
     "newton_schulz",
     "parameter_path",
+    "sign_optimizer_from_spec",
 ]

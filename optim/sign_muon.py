@@ -308,6 +308,11 @@ class SignMuon(torch.optim.Optimizer):
             self._hook_raised_seen = 0
         return self._comm_state
 
+    @property
+    def has_comm_hook(self) -> bool:
+        """Whether a hook (DDP's or :meth:`register_backward_reducer`'s) does the pre-vote half."""
+        return self._comm_state is not None
+
     def register_comm_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> SignMuonHookState:
         """``ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)``; returns the state."""
         ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)

@@ -9,6 +9,7 @@ classes serve where the optimizer must own the momentum (DeepSpeed, ``vote_in_st
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +20,7 @@ from signmuon.comm_hooks import VoteConfig
 
 from .sign_muon import SignMuon
 
-__all__ = ["SignumMV", "SignSGDMV"]
+__all__ = ["SIGN_OPTIMIZERS", "SignumMV", "SignSGDMV", "sign_optimizer_from_spec"]
 
 
 class SignumMV(SignMuon):
@@ -90,3 +91,33 @@ class SignSGDMV(SignumMV):
             vote_in_step=vote_in_step,
             checkpoint_all_ranks=checkpoint_all_ranks,
         )
+
+
+SIGN_OPTIMIZERS: dict[str, type[SignMuon]] = {"signmuon": SignMuon, "signummv": SignumMV, "signsgdmv": SignSGDMV}
+
+
+def sign_optimizer_from_spec(
+    spec: dict[str, Any], params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], reserved: Iterable[str] = (), **fixed: Any
+) -> SignMuon:
+    """Build ``SignMuon`` / ``SignumMV`` / ``SignSGDMV`` from ``{"type": name, "params": {...}}``
+    (a DeepSpeed config's optimizer section, or the same dict given to the HF Trainer).
+
+    The name matches in any case; unknown or ``reserved`` keys (those the caller sets itself,
+    passed in ``fixed``) raise ``ValueError`` listing the valid ones.
+    """
+    if not isinstance(spec, dict):
+        raise TypeError(f"the optimizer spec must be a dict like {{'type': 'SignMuon', 'params': {{...}}}}, got {type(spec).__name__}")
+    name = str(spec.get("type", ""))
+    cls = SIGN_OPTIMIZERS.get(name.lower())
+    if cls is None:
+        raise ValueError(f"optimizer type {name!r} is not one of ours: {[c.__name__ for c in SIGN_OPTIMIZERS.values()]}")
+    unexpected = sorted(set(spec) - {"type", "params"})
+    if unexpected:
+        raise ValueError(f"unknown keys {unexpected} in the optimizer spec; it has 'type' and 'params'")
+    given = dict(spec.get("params", {}))
+    names = inspect.signature(cls.__init__).parameters
+    allowed = sorted(n for n in names if n not in ("self", "params", *reserved, *fixed))
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown params {unknown} for optimizer {name}; valid: {allowed}")
+    return cls(params, **given, **fixed)

@@ -125,3 +125,136 @@ def test_lightning_strategy_refuses_lightnings_own_hook_arguments():
         SignDDPStrategy(comm_state=object())
     with pytest.raises(TypeError, match="DPPFAverager"):
         SignDDPStrategy(averager=object())
+
+
+# -- Accelerate ----------------------------------------------------------------------------------
+
+
+def _accelerate(rank, world_size):
+    from accelerate import Accelerator
+
+    from signmuon.comm_hooks import SignVoteState
+    from signmuon.integrations.accelerate import register_comm_hook
+    from signmuon.optim import SignSGDMV
+
+    from .toys import tiny_net
+
+    def fit(make, clip=None, comm_state=None, register=True):
+        accelerator = Accelerator(cpu=True)
+        net = tiny_net()
+        loader = torch.utils.data.DataLoader(_data(0, 96), batch_size=8)
+        model, optimizer, loader = accelerator.prepare(net, make(net.parameters()), loader)
+        state = register_comm_hook(accelerator, model, optimizer, comm_state=comm_state) if register else comm_state
+        if not register:
+            model.register_comm_hook(state, __import__("signmuon.comm_hooks").comm_hooks.sign_vote_hook)
+        losses = []
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            if clip is not None:
+                accelerator.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            losses.append(loss.item())
+        return [p.detach().clone() for p in net.parameters()], state, losses
+
+    out = {}
+    runs = [fit(lambda ps: SignSGDMV(ps, lr=0.02), clip) for clip in (None, 0.01)]
+    out["signsgd"] = dict(params=[r[0] for r in runs], calls=runs[0][1].stats.calls, losses=runs[0][2])
+    params, state, _ = fit(lambda ps: torch.optim.SGD(ps, lr=0.02), comm_state=SignVoteState(momentum=0.9))
+    out["hook"] = dict(params=params, calls=state.stats.calls, sent=state.stats.bytes_sent)
+    out["not_voting"] = capture(lambda: fit(lambda ps: torch.optim.SGD(ps, lr=0.02)))
+    return out
+
+
+def test_accelerate_registers_the_vote_after_prepare():
+    pytest.importorskip("accelerate", reason="the accelerate extra")
+    results = run_distributed(_accelerate, 2, timeout=300)
+    for out in results:
+        run = out["signsgd"]
+        assert run["calls"] >= STEPS
+        assert sum(run["losses"][-2:]) < sum(run["losses"][:2]), run["losses"]
+        for a, b in zip(*run["params"]):
+            assert torch.equal(a, b), "accelerator.clip_grad_norm_ changed SignSGDMV's update"
+        assert out["hook"]["calls"] >= STEPS and out["hook"]["sent"] > 0
+        assert out["not_voting"].startswith("ValueError") and "comm_state" in out["not_voting"]
+    for a, b in zip(results[0]["hook"]["params"], results[1]["hook"]["params"]):
+        assert torch.equal(a, b), "replicas agree"
+
+
+# -- HF Trainer ----------------------------------------------------------------------------------
+
+
+def _gpt2():
+    """A 2-layer GPT-2 from a config (tied embedding and head), nothing downloaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        gen = torch.Generator().manual_seed(i)
+        start = int(torch.randint(0, 8, (1,), generator=gen))
+        ids = (torch.arange(16) * 3 + start) % 32  # a learnable pattern
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(rank, world_size, tmp, deepspeed):
+    from transformers import TrainingArguments
+
+    from signmuon.integrations.transformers import SignTrainer
+
+    def fit(max_grad_norm, spec, optimizers=(None, None)):
+        model = _gpt2()
+        args = TrainingArguments(
+            output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=0.01, max_grad_norm=max_grad_norm,
+            report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+            deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                       "gradient_clipping": "auto", "zero_optimization": {"stage": 0}} if deepspeed else None,
+        )  # fmt: skip
+        trainer = SignTrainer(model=model, args=args, train_dataset=_Tokens(), sign_optimizer=spec, optimizers=optimizers)
+        result = trainer.train()
+        opt = trainer.optimizer
+        while not hasattr(opt, "comm_state"):
+            opt = opt.optimizer
+        engine = trainer.model_wrapped
+        return dict(
+            params=[p.detach().clone() for p in model.parameters()], loss=result.training_loss, calls=opt.comm_state.stats.calls,
+            sent=opt.comm_state.stats.bytes_sent, allreduce=getattr(engine, "enable_backward_allreduce", None),
+            type=type(opt).__name__, lr=opt.param_groups[0]["initial_lr"],
+        )  # fmt: skip
+
+    spec = {"type": "SignumMV", "params": {"momentum": 0.9}}
+    out = {"clipped": fit(1.0, spec), "unclipped": fit(0.0, spec)}
+    if not deepspeed:
+        out["muon"] = fit(1.0, None)
+        out["adamw"] = capture(lambda: fit(1.0, None, optimizers=(torch.optim.AdamW(_gpt2().parameters()), None)))
+    return out
+
+
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["ddp", "deepspeed"])
+def test_hf_trainer_builds_our_optimizer_and_votes(tmp_path, deepspeed):
+    pytest.importorskip("transformers", reason="the transformers extra")
+    if deepspeed:
+        pytest.importorskip("deepspeed", reason="the deepspeed extra")
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions"))
+    results = run_distributed(_trainer, 2, str(tmp_path), deepspeed, timeout=400)
+    for out in results:
+        clipped, unclipped = out["clipped"], out["unclipped"]
+        assert clipped["type"] == "SignumMV" and clipped["lr"] == 0.01
+        assert clipped["calls"] >= STEPS and clipped["sent"] > 0, "the vote ran"
+        for a, b in zip(clipped["params"], unclipped["params"]):
+            assert torch.equal(a, b), "max_grad_norm changed the update"
+        if deepspeed:
+            assert clipped["allreduce"] is False, "the engine's fp32 all-reduce is off"
+        else:
+            assert out["muon"]["type"] == "SignMuon" and out["muon"]["calls"] >= STEPS
+            assert out["adamw"].startswith("ValueError") and "AdamW" in out["adamw"]
+    for a, b in zip(results[0]["clipped"]["params"], results[1]["clipped"]["params"]):
+        assert torch.equal(a, b), "replicas agree"

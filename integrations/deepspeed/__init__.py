@@ -12,6 +12,6 @@ DeepSpeed itself is imported only when :func:`initialize` runs; without it that 
 """
 
 from .backend import SignCompressedBackend
-from .engine import OPTIMIZER_TYPES, initialize
+from .engine import OPTIMIZER_TYPES, check_supported, initialize
 
-__all__ = ["OPTIMIZER_TYPES", "SignCompressedBackend", "initialize"]
+__all__ = ["OPTIMIZER_TYPES", "SignCompressedBackend", "check_supported", "initialize"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 from typing import Any
@@ -11,13 +10,13 @@ from typing import Any
 import torch
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.optim import SignMuon, SignSGDMV, SignumMV
+from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 
-__all__ = ["OPTIMIZER_TYPES", "initialize"]
+__all__ = ["OPTIMIZER_TYPES", "check_supported", "initialize"]
 
-OPTIMIZER_TYPES: dict[str, type[SignMuon]] = {"signmuon": SignMuon, "signummv": SignumMV, "signsgdmv": SignSGDMV}
+OPTIMIZER_TYPES = SIGN_OPTIMIZERS
 # Set by the integration itself, so not settable from the config.
-_RESERVED = {"params", "process_group", "vote_in_step", "checkpoint_all_ranks", "vote"}
+_RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks", "vote")
 
 
 def _deepspeed():
@@ -56,13 +55,8 @@ def _check_monitor_names(config: dict[str, Any]) -> None:
             )
 
 
-def valid_params(optimizer_class: type[SignMuon]) -> list[str]:
-    """The ``"params"`` keys a config may give ``optimizer_class``."""
-    names = inspect.signature(optimizer_class.__init__).parameters
-    return sorted(name for name in names if name not in _RESERVED and name != "self")
-
-
-def _check_supported(config: dict[str, Any], name: str) -> None:
+def check_supported(config: dict[str, Any], name: str) -> None:
+    """Raise ValueError if DeepSpeed ``config`` cannot run optimizer ``name`` (ZeRO >= 1, fp16, bf16)."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage:
         raise ValueError(
@@ -132,24 +126,21 @@ def initialize(
     deepspeed = _deepspeed()
     spec = loaded.get("optimizer")
     name = str(spec.get("type", "")) if isinstance(spec, dict) else ""
-    optimizer_class = OPTIMIZER_TYPES.get(name.lower())
-    if optimizer_class is None:
+    if name.lower() not in OPTIMIZER_TYPES:
         return deepspeed.initialize(
             model=model, config=config, model_parameters=model_parameters, optimizer=optimizer, **kwargs
         )
     if optimizer is not None:
         raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
-    _check_supported(loaded, name)
-    params = dict(spec.get("params", {}))
-    allowed = valid_params(optimizer_class)
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown params {unknown} for optimizer {name}; valid: {allowed}")
+    check_supported(loaded, name)
     vote = VoteConfig.from_dict(loaded.get("vote", {}))
     trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     # checkpoint_all_ranks: DeepSpeed writes the optimizer state from rank 0 only, but
     # the momentum is each worker's own.
-    opt = optimizer_class(trainable, vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=True, **params)
+    opt = sign_optimizer_from_spec(
+        {"type": name, "params": spec.get("params", {})}, trainable, reserved=_RESERVED,
+        vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=True,
+    )  # fmt: skip
     config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote")}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         model=model, config=config_rest, optimizer=opt, **kwargs

@@ -1,0 +1,131 @@
+"""The Hugging Face Trainer: our optimizer built from the training arguments, the vote registered.
+
+The Trainer replaces an optimizer it cannot place (``optimizers=(SignMuon(...), None)`` under
+DeepSpeed becomes AdamW), refuses our names in a DeepSpeed config (it calls
+``deepspeed.initialize`` itself), and under DeepSpeed keeps the engine's fp32 gradient all-reduce
+on top of any vote. :class:`SignTrainer` (or :class:`SignTrainerMixin` for your own Trainer
+subclass) handles all three::
+
+    from signmuon.integrations.transformers import SignTrainer
+
+    trainer = SignTrainer(
+        model=model, args=TrainingArguments(..., learning_rate=2e-3),
+        train_dataset=dataset,
+        sign_optimizer={"type": "SignMuon", "params": {"momentum": 0.95}},   # the default type
+    )
+    trainer.train()
+
+Under DDP (``torchrun``) the optimizer's hook is registered on the Trainer's DDP model; under
+DeepSpeed (``args.deepspeed``, a config without an ``"optimizer"`` section, ZeRO stage 0, fp32)
+the engine's all-reduce is switched off and the vote runs bucket by bucket in backward
+(:class:`~signmuon.comm_hooks.BackwardReducer`). The Trainer's gradient clipping
+(``max_grad_norm``, 1.0 by default) rescales the vote, whose sign our optimizers take: it changes
+nothing. Needs ``pip install 'signmuon[transformers]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import transformers
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("signmuon.integrations.transformers needs transformers: pip install 'signmuon[transformers]'") from error
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from signmuon.optim import SignMuon, sign_optimizer_from_spec
+
+__all__ = ["SignTrainer", "SignTrainerMixin"]
+
+# Set here, from the Trainer's arguments or its distributed setup.
+_RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks")
+
+
+def _innermost(optimizer: Any) -> Any:
+    """The user's optimizer inside the Trainer's wrappers (Accelerate's, DeepSpeed's)."""
+    for _ in range(4):
+        if isinstance(optimizer, SignMuon) or getattr(optimizer, "optimizer", None) is None:
+            break
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class _RegisterVote(transformers.TrainerCallback):
+    """Registers the vote once the Trainer has wrapped the model (before the first batch)."""
+
+    def __init__(self, trainer: SignTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.register_vote()
+
+
+class SignTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before it): ``class T(SignTrainerMixin, Trainer)``.
+
+    Args:
+        sign_optimizer: ``{"type": "SignMuon" | "SignumMV" | "SignSGDMV", "params": {...}}`` (the
+            shape of a DeepSpeed optimizer section); ``lr`` defaults to ``args.learning_rate`` and
+            ``weight_decay`` to ``args.weight_decay`` (not on biases and norms, as the Trainer
+            does). Default: SignMuon with those two. Unknown keys raise ``ValueError``.
+
+    An optimizer passed as ``optimizers=(SignMuon(...), scheduler)`` is used as given (not under
+    DeepSpeed, where the Trainer replaces it; use ``sign_optimizer``).
+    """
+
+    def __init__(self, *args: Any, sign_optimizer: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        spec = {"type": "SignMuon", "params": {}} if sign_optimizer is None else sign_optimizer
+        self.sign_optimizer = spec
+        super().__init__(*args, **kwargs)
+        sign_optimizer_from_spec(spec, [torch.zeros(1, requires_grad=True)], reserved=_RESERVED)  # validate now
+        self.add_callback(_RegisterVote(self))
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        given = dict(self.sign_optimizer.get("params", {}))
+        lr = given.pop("lr", self.args.learning_rate)
+        weight_decay = given.pop("weight_decay", self.args.weight_decay)
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        spec = {"type": self.sign_optimizer["type"], "params": given}
+        self.optimizer = sign_optimizer_from_spec(spec, groups, reserved=_RESERVED, lr=lr)
+        return self.optimizer
+
+    def register_vote(self) -> None:
+        """Register the vote on the wrapped model (called at ``on_train_begin``)."""
+        optimizer = _innermost(self.optimizer)
+        if not isinstance(optimizer, SignMuon):
+            raise ValueError(
+                f"{type(self).__name__} trains with signmuon's optimizers, but the Trainer's optimizer is "
+                f"{type(optimizer).__name__}: pass sign_optimizer={{...}} instead of optimizers=(...)"
+            )
+        wrapped = self.model_wrapped
+        if self.is_deepspeed_enabled:
+            from signmuon.integrations.deepspeed import check_supported
+
+            check_supported(self.accelerator.state.deepspeed_plugin.deepspeed_config, type(optimizer).__name__)
+            if not optimizer.has_comm_hook:
+                wrapped.enable_backward_allreduce = False  # the vote is the gradient reduction
+                optimizer.process_group = wrapped.data_parallel_group
+                optimizer.register_backward_reducer(sync=wrapped.is_gradient_accumulation_boundary)
+        elif isinstance(wrapped, DistributedDataParallel):
+            if not optimizer.has_comm_hook:
+                optimizer.register_comm_hook(wrapped)
+        elif self.args.world_size > 1:
+            raise ValueError(
+                f"{type(optimizer).__name__} under the Trainer needs DDP or DeepSpeed on several processes; the "
+                f"model is wrapped as {type(wrapped).__name__} (FSDP and tensor parallelism are not supported)"
+            )
+
+
+class SignTrainer(SignTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training with SignMuon / SignumMV / SignSGDMV (see the mixin)."""
