@@ -379,7 +379,9 @@ class SignVoteState(VoteHookState):
     """State of :func:`sign_vote_hook`, in the style of PyTorch's ``PowerSGDState``.
 
     Args:
-        process_group, vote, check_replicas_every: as :class:`VoteHookState`.
+        process_group: as :class:`VoteHookState`.
+        vote: as :class:`VoteHookState`.
+        check_replicas_every: as :class:`VoteHookState`.
         momentum: Signum momentum beta in [0, 1): each worker votes
             ``sign(m)`` with ``m <- beta*m + (1-beta)*g``; 0 votes the raw gradient (signSGD-MV).
         start_iter: iterations of plain mean all-reduce before voting starts. DDP rebuilds its

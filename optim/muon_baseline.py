@@ -22,8 +22,14 @@ class MuonWithAdamW:
 
     Args:
         params: parameters (an iterable of tensors).
-        lr, momentum, weight_decay, nesterov: for ``torch.optim.Muon`` on 2-D parameters.
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: for ``torch.optim.AdamW`` on the rest.
+        lr: ``torch.optim.Muon``'s, on 2-D parameters.
+        momentum: ``torch.optim.Muon``'s.
+        weight_decay: ``torch.optim.Muon``'s.
+        nesterov: ``torch.optim.Muon``'s.
+        adamw_lr: ``torch.optim.AdamW``'s, on the other parameters.
+        adamw_betas: ``torch.optim.AdamW``'s.
+        adamw_eps: ``torch.optim.AdamW``'s.
+        adamw_weight_decay: ``torch.optim.AdamW``'s.
     """
 
     def __init__(

@@ -115,11 +115,14 @@ class SignMuon(torch.optim.Optimizer):
         nesterov: vote the Nesterov look-ahead ``G.lerp(M, beta)`` instead of ``M``.
         weight_decay: decoupled weight decay lambda (``W -= lr*lambda*W``).
         coupled_weight_decay: lambda_c added to the gradient before the momentum.
-        ns_steps, ns_coefficients: the Newton–Schulz iteration (see ``newton_schulz``).
+        ns_steps: Newton–Schulz iterations (see ``newton_schulz``).
+        ns_coefficients: the quintic's coefficients (a, b, c).
         polar_after_vote: apply NS to the voted sign matrix and rescale it to entry-RMS 1.
         non_matrix: ``"signum"`` (vote the sign of the local momentum, one bit on the wire) or
             ``"adamw"`` (AdamW on the mean gradient, a full-precision all-reduce).
-        adamw_lr, adamw_betas, adamw_eps: AdamW settings of the ``"adamw"`` path (lr defaults to ``lr``).
+        adamw_lr: learning rate of the ``"adamw"`` path (None: ``lr``).
+        adamw_betas: AdamW's betas on that path.
+        adamw_eps: AdamW's epsilon on that path.
         vote: the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
             algorithm, kernels, and ``nonfinite``: if any rank's gradient holds NaN or Inf,
             ``"skip"`` moves no voted entry that step and no AdamW parameter whose mean gradient

@@ -31,7 +31,10 @@ class SignumMV(SignMuon):
         lr: each entry moves by ``lr`` per step (or 0 where the vote is 0).
         momentum: beta in [0, 1).
         weight_decay: decoupled weight decay.
-        vote, process_group, vote_in_step, checkpoint_all_ranks: as :class:`SignMuon`.
+        vote: as :class:`SignMuon`.
+        process_group: as :class:`SignMuon`.
+        vote_in_step: as :class:`SignMuon`.
+        checkpoint_all_ranks: as :class:`SignMuon`.
     """
 
     _default_use_muon = False

@@ -85,7 +85,7 @@ def initialize(
     optimizer=None,
     overlap_backward: bool = True,
     **kwargs: Any,
-):
+) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` that also understands our optimizer types.
 
     If ``config["optimizer"]["type"]`` is ``SignMuon``, ``SignumMV`` or ``SignSGDMV`` (any
