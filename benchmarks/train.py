@@ -28,7 +28,7 @@ from signmuon.benchmarks.cli import check_device, positive_int
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
-from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd
+from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd, muon_param_groups
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -87,12 +87,15 @@ def _fault(config: TrainConfig) -> ByzantineFault | None:
     return ByzantineFault(ranks=tuple(range(config.byzantine))) if config.byzantine else None
 
 
-def _ddp_allreduce(make_opt) -> Method:
+def _ddp_allreduce(make_opt, routed: bool = False) -> Method:
+    """DDP's fp32 all-reduce with ``make_opt(params)``; ``routed``: params are Muon's groups."""
+
     def build(net: nn.Module, config: TrainConfig) -> Setup:
+        params = muon_param_groups(net) if routed else net.parameters()
         model = _ddp(net)
         stats = CommStats()
         model.register_comm_hook(stats, allreduce_hook)
-        return Setup(model=model, optimizer=make_opt(model.parameters()), stats=stats)
+        return Setup(model=model, optimizer=make_opt(params), stats=stats)
 
     return build
 
@@ -156,7 +159,8 @@ def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Meth
 
 def _ddp_sign_muon(node_aware: bool = False, **options) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        opt = SignMuon(net.parameters(), vote=_vote(config, node_aware), **options)
+        # Embeddings and the head on the Signum path, as Muon users route them.
+        opt = SignMuon(muon_param_groups(net), vote=_vote(config, node_aware), **options)
         model = _ddp(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
@@ -181,7 +185,7 @@ METHODS: dict[str, Method] = {
     "sgd": _ddp_allreduce(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
     "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
     "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
-    "muon_adamw": _ddp_allreduce(lambda p: MuonWithAdamW(p, lr=0.02, adamw_lr=2e-3)),
+    "muon_adamw": _ddp_allreduce(lambda p: MuonWithAdamW(p, lr=0.02, adamw_lr=2e-3), routed=True),
     "powersgd_adamw": _ddp_powersgd(4, lambda p: torch.optim.AdamW(p, lr=2e-3)),
     "signmuon": _ddp_sign_muon(lr=2e-3),
     "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),

@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from signmuon.optim import SignMuon, sign_optimizer_from_spec
+from signmuon.optim import SignMuon, muon_param_groups, sign_optimizer_from_spec
 
 __all__ = ["SignTrainer", "SignTrainerMixin"]
 
@@ -69,7 +69,9 @@ class SignTrainerMixin:
         sign_optimizer: ``{"type": "SignMuon" | "SignumMV" | "SignSGDMV", "params": {...}}`` (the
             shape of a DeepSpeed optimizer section); ``lr`` defaults to ``args.learning_rate`` and
             ``weight_decay`` to ``args.weight_decay`` (not on biases and norms, as the Trainer
-            does). Default: SignMuon with those two. Unknown keys raise ``ValueError``.
+            does); embeddings and the output head take the non-matrix path
+            (:func:`~signmuon.optim.muon_param_groups`). Default: SignMuon with those two.
+            Unknown keys raise ``ValueError``.
 
     An optimizer passed as ``optimizers=(SignMuon(...), scheduler)`` is used as given (not under
     DeepSpeed, where the Trainer replaces it; use ``sign_optimizer``).
@@ -90,12 +92,23 @@ class SignTrainerMixin:
         lr = given.pop("lr", self.args.learning_rate)
         weight_decay = given.pop("weight_decay", self.args.weight_decay)
         decay = set(self.get_decay_parameter_names(model))
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
+        groups = []
+        # Embeddings and the output head off the matrix path (each tied tensor once), and weight
+        # decay where the Trainer puts it (not on biases and norms).
+        if str(self.sign_optimizer["type"]).lower() == "signmuon":
+            routing = muon_param_groups(model)
+        else:  # SignumMV / SignSGDMV: every parameter on the one Signum path
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            routing = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+        for routed in routing:
+            for decayed in (True, False):
+                named = [(n, p) for n, p in zip(routed["param_names"], routed["params"]) if (n in decay) == decayed]
+                if named:
+                    group = {"params": [p for _, p in named], "param_names": [n for n, _ in named]}
+                    group["weight_decay"] = weight_decay if decayed else 0.0
+                    if "use_muon" in routed:
+                        group["use_muon"] = routed["use_muon"]
+                    groups.append(group)
         spec = {"type": self.sign_optimizer["type"], "params": given}
         self.optimizer = sign_optimizer_from_spec(spec, groups, reserved=_RESERVED, lr=lr)
         return self.optimizer

@@ -21,7 +21,8 @@ class MuonWithAdamW:
     """Two torch optimizers stepped together, checkpointed together.
 
     Args:
-        params: parameters (an iterable of tensors).
+        params: parameters (tensors, 2-D ones on Muon), or groups with ``use_muon`` as
+            :func:`~signmuon.optim.muon_param_groups` builds them (embeddings and head on AdamW).
         lr: ``torch.optim.Muon``'s, on 2-D parameters.
         momentum: ``torch.optim.Muon``'s.
         weight_decay: ``torch.optim.Muon``'s.
@@ -34,7 +35,7 @@ class MuonWithAdamW:
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor],
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         lr: float = 0.02,
         momentum: float = 0.95,
         *,
@@ -46,9 +47,13 @@ class MuonWithAdamW:
         adamw_weight_decay: float = 0.0,
     ) -> None:
         matrices, others = [], []
-        for p in params:
-            is_matrix = parameter_path(p, None, "adamw") == "matrix" and p.dim() == 2
-            (matrices if is_matrix else others).append(p)
+        for item in params:
+            # Tensors route by shape; groups (e.g. from muon_param_groups) by their "use_muon".
+            group = item if isinstance(item, dict) else {"params": [item], "use_muon": None}
+            for p in group["params"]:
+                use_muon = group.get("use_muon")
+                is_matrix = p.dim() == 2 and parameter_path(p, None, "adamw") == "matrix" if use_muon is None else use_muon
+                (matrices if is_matrix else others).append(p)
         self.optimizers: list[torch.optim.Optimizer] = []
         if matrices:
             self.optimizers.append(
