@@ -9,6 +9,8 @@ Commands:
   ddp-step        DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote
   deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
   ns-time         Newton–Schulz time per matrix size (what SignMuon adds to a step)
+  sweep           learning-rate sweep: methods x lr factors x seeds, the tuned factor per method
+  ns-precision    signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost
 """
 
 from __future__ import annotations
@@ -25,9 +27,22 @@ COMMANDS = {
     "ddp-step": "ddp_step",
     "deepspeed-step": "deepspeed_step",
     "ns-time": "ns_time",
+    "ns-precision": "ns_precision",
+    "sweep": "sweep",
 }
-DEMO = ["--world-size", "4", "--steps", "300", "--methods", "adamw", "signum_mv", "signmuon", "dppf_8",
-        "--plot", "demo_curves.png"]  # fmt: skip
+DEMO = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon",
+        "dppf_8", "--plot", "demo_curves.png"]  # fmt: skip
+DEMO_HELP = """usage: signmuon-bench demo [train options]
+
+The main job: trains on scikit-learn's digits on 4 local gloo ranks for 300 steps with DDP+AdamW,
+Signum-MV, SignMuon and DPPF (period 8), evaluating every 25 steps; prints accuracy, bytes sent
+per rank, communication rounds and step time per method, and writes test loss against step,
+bytes sent and wall time to demo_curves.png. It is `signmuon-bench train` with these options:
+
+    """ + " ".join(DEMO) + """
+
+Any train option given after `demo` is added after them and wins (e.g. --steps 100);
+`signmuon-bench train --help` lists them."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "demo":  # 4 local gloo ranks on digits: DDP+AdamW against Signum-MV, SignMuon and DPPF
+        if "-h" in rest or "--help" in rest:
+            print(DEMO_HELP)
+            return
         command, rest = "train", DEMO + rest
     if command not in COMMANDS:
         sys.exit(f"signmuon-bench: unknown command {command!r}\n{__doc__}")

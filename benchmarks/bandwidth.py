@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from signmuon.benchmarks.cli import positive_int, size
+from signmuon.benchmarks.cli import command_parser, positive_int, size
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import CommStats, NodeVoteWork, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
 from signmuon.integrations.deepspeed import SignCompressedBackend
@@ -205,7 +205,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("bandwidth", __doc__)
     parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--sizes", nargs="+", type=size, default=["1K", "16K", "256K", "4M", "16M"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

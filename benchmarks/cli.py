@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
-__all__ = ["positive_int", "size", "check_device"]
+__all__ = ["command_parser", "network_label", "positive_int", "size", "check_device"]
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -44,3 +45,34 @@ def check_device(parser: argparse.ArgumentParser, device: str) -> None:
         parser.error(f"--device {device!r}: use cpu or cuda")
     if kind == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written (examples keep their lines), every option's default shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        flag = action.nargs == 0  # --valley, --no-progress: their default is the absence of the flag
+        if flag or "%(default)" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+class _CommandParser(argparse.ArgumentParser):
+    def add_argument(self, *args, **kwargs):
+        # argparse prints no help line (so no default) for an option without help text.
+        if "help" not in kwargs and kwargs.get("default") is not None and kwargs.get("nargs") != 0:
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+
+def command_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``signmuon-bench COMMAND``: that name in its usage line, the module's
+    docstring as description without reStructuredText's double backticks, defaults shown."""
+    description = (doc or "").replace("``", "")
+    return _CommandParser(prog=f"signmuon-bench {command}", description=description, formatter_class=_HelpFormatter)
+
+
+def network_label() -> str:
+    """The emulated link a run is under (``netem`` sets it for the ranks it starts), or ``loopback``."""
+    return os.environ.get("SIGNMUON_NETEM_RATE", "loopback")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.cli import positive_int
+from signmuon.benchmarks.cli import command_parser, positive_int
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.optim import SignMuon
@@ -129,7 +129,7 @@ def report(rows: list[dict], world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("ddp-step", __doc__)
     parser.add_argument("--world-size", type=positive_int, default=2, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--width", type=int, default=1728)

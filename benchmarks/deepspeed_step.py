@@ -20,6 +20,7 @@ import statistics
 import torch
 from torch import nn
 
+from signmuon.benchmarks.cli import command_parser
 from signmuon.benchmarks.ddp_step import mlp
 from signmuon.benchmarks.launch import run_distributed, timed_calls
 
@@ -95,7 +96,7 @@ def _setup(method: str, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("deepspeed-step", __doc__)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--width", type=int, default=1728)

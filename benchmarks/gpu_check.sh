@@ -2,8 +2,9 @@
 # One prepared check for a machine with a single NVIDIA GPU (under 9 minutes):
 # the Triton kernels bit for bit against the references on CUDA tensors, kernel throughput
 # vs memcpy (Triton and the torch fallback; pack/unpack GB/s against HBM), a vote through the
-# collective on CUDA, Newton–Schulz time per size in bf16, and single-GPU charlm throughput
-# (step time) of SignMuon against AdamW.
+# collective on CUDA, Newton–Schulz: signs flipped against float64 and time per call in float32
+# (SignMuon's default) and bfloat16, per size and momentum rank, and single-GPU charlm
+# throughput (step time) of SignMuon against AdamW.
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,9 +53,11 @@ PY
   timeout 90 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 16M 256M --world-size 8 --kernels torch
   echo '```'
   echo
-  echo "## Newton–Schulz, bf16, 5 steps"
+  echo "## Newton–Schulz: flipped signs against float64 and cost, float32 (default) vs bf16"
   echo '```'
-  timeout 120 "$python" -m signmuon.benchmarks.ns_time --device cuda --sizes 512 1024 2048 4096 8192
+  timeout 150 "$python" -m signmuon.benchmarks.ns_precision --device cuda --sizes 256 1024 4096 --ranks 8 32 0 \
+    --precisions float32 bfloat16 --seeds 2 --repeats 5
+  timeout 90 "$python" -m signmuon.benchmarks.ns_time --device cuda --dtype float32 --sizes 1024 4096 8192
   echo '```'
   echo
   echo "## charlm on the GPU, one rank: SignMuon vs AdamW step time and perplexity"

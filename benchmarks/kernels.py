@@ -11,13 +11,12 @@ family (numba on CPU and Triton on CUDA by default; ``torch`` for the fallback).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from signmuon.benchmarks.cli import check_device, positive_int, size
+from signmuon.benchmarks.cli import check_device, command_parser, positive_int, size
 from signmuon.comm_hooks import SignSegments, kernels_for
 from signmuon.comm_hooks.kernels.layout import words_for
 
@@ -66,7 +65,7 @@ def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5,
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("kernels", __doc__)
     parser.add_argument("--sizes", nargs="+", type=size, default=["1M", "4M", "16M", "64M"], help="entries, e.g. 1M 64M")
     parser.add_argument("--world-size", type=positive_int, default=4, help="M: the vote counts M packed shards")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -20,7 +20,6 @@ then give the bytes that crossed between nodes (e.g. for the node-aware vote)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -30,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from signmuon.benchmarks.cli import command_parser
 from signmuon.benchmarks.__main__ import COMMANDS
 
 __all__ = ["EmulatedNetwork", "main"]
@@ -121,7 +121,8 @@ class EmulatedNetwork:
             ns = self.namespaces[rank // L]
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % L), WORLD_SIZE=str(self.world_size),
                        LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(rank // L), MASTER_ADDR=self.address(0),
-                       MASTER_PORT=port, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")  # fmt: skip
+                       MASTER_PORT=port, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+                       SIGNMUON_NETEM_RATE=self.rate)  # fmt: skip
             module = COMMANDS.get(module_args[0], module_args[0])  # a CLI name (ddp-step) or a module
             command = ["ip", "netns", "exec", ns, sys.executable, "-m", f"signmuon.benchmarks.{module}"]
             procs.append(subprocess.Popen(command + module_args[1:], env=env, stdout=subprocess.PIPE,
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "--" not in argv:
         argv = argv + ["--", "bandwidth", "--sizes", "64K", "1M", "--methods", "fp32_allreduce", "vote_exact"]
     split = argv.index("--")
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("netem", __doc__)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=1,
                         help="ranks sharing a namespace (a node: loopback inside, shaped links between)")

@@ -11,13 +11,12 @@ the fraction of entries whose sign differs from a float64 reference, and the tim
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from signmuon.benchmarks.cli import check_device, positive_int
+from signmuon.benchmarks.cli import check_device, command_parser, positive_int
 from signmuon.optim import newton_schulz
 
 # name -> (dtype of the first iterations, dtype of the last `tail` iterations, tail)
@@ -68,9 +67,7 @@ def seconds(x: torch.Tensor, precision: str, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(
-        prog="signmuon-bench ns-precision", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser("ns-precision", __doc__)
     parser.add_argument("--sizes", nargs="+", type=positive_int, default=[256, 1024], help="square matrix sizes (default: %(default)s)")
     parser.add_argument("--ranks", nargs="+", type=int, default=[8, 32, 0], help="momentum ranks, 0 = full rank (default: %(default)s)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
@@ -78,7 +75,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed calls (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     args = parser.parse_args(argv)
-    device = check_device(parser, args.device)
+    check_device(parser, args.device)
+    device = torch.device(args.device)
     if any(r < 0 for r in args.ranks):
         parser.error(f"--ranks {args.ranks}: each must be >= 0 (0 = full rank)")
     rows = []

@@ -1,17 +1,17 @@
 """Newton–Schulz time per matrix size: the compute SignMuon adds to each step (twice with
-the post-vote polar step), in the dtype it runs in on that device.
+the post-vote polar step), in float32 (SignMuon's default) or bfloat16.
 
     python -m signmuon.benchmarks.ns_time --sizes 512 1024 2048 4096 --device cuda
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from signmuon.benchmarks.cli import command_parser
 from signmuon.optim import newton_schulz
 
 
@@ -31,15 +31,15 @@ def measure(size: int, device: torch.device, dtype: torch.dtype, steps: int, rep
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("ns-time", __doc__)
     parser.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1024])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="bfloat16 / float32 (default: bf16 on CUDA, fp32 else)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s, SignMuon's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, args.dtype)
     print(f"device={device} dtype={dtype} ns_steps={args.steps} torch={torch.__version__}")
     print(f"{'size':>6} {'ms':>9} {'TFLOP/s':>8}")
     rows = []

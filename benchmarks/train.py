@@ -10,12 +10,12 @@ Each step every rank draws its own slice of the global batch.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.cli import check_device, positive_int
+from signmuon.benchmarks.cli import check_device, command_parser, network_label, positive_int
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
@@ -57,6 +57,10 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     ranks_per_node: int | None = None
     """L for the node-aware (``*_node``) methods; None reads torchrun's LOCAL_WORLD_SIZE."""
+    lr_scale: float = 1.0
+    """Multiplies every learning rate of the method (the learning-rate sweep's knob)."""
+    clip_grad_norm: float | None = None
+    """``clip_grad_norm_(max_norm)`` before each step, as nanoGPT does (None: no clipping)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -88,14 +92,14 @@ def _fault(config: TrainConfig) -> ByzantineFault | None:
 
 
 def _ddp_allreduce(make_opt, routed: bool = False) -> Method:
-    """DDP's fp32 all-reduce with ``make_opt(params)``; ``routed``: params are Muon's groups."""
+    """DDP's fp32 all-reduce with ``make_opt(params, lr_scale)``; ``routed``: params are Muon's groups."""
 
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         params = muon_param_groups(net) if routed else net.parameters()
         model = _ddp(net)
         stats = CommStats()
         model.register_comm_hook(stats, allreduce_hook)
-        return Setup(model=model, optimizer=make_opt(params), stats=stats)
+        return Setup(model=model, optimizer=make_opt(params, config.lr_scale), stats=stats)
 
     return build
 
@@ -136,7 +140,7 @@ def _ddp_powersgd(rank: int, make_opt) -> Method:
             return powerSGD_hook.powerSGD_hook(state, bucket)
 
         model.register_comm_hook(state, counting_hook)
-        return Setup(model=model, optimizer=make_opt(model.parameters()), stats=stats)
+        return Setup(model=model, optimizer=make_opt(model.parameters(), config.lr_scale), stats=stats)
 
     return build
 
@@ -152,7 +156,7 @@ def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Meth
         model = _ddp(net)
         state = SignVoteState(momentum=momentum, start_iter=1, vote=_vote(config, node_aware))
         model.register_comm_hook(state, sign_vote_hook)
-        return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), stats=state.stats)
+        return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr * config.lr_scale), stats=state.stats)
 
     return build
 
@@ -160,7 +164,8 @@ def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Meth
 def _ddp_sign_muon(node_aware: bool = False, **options) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         # Embeddings and the head on the Signum path, as Muon users route them.
-        opt = SignMuon(muon_param_groups(net), vote=_vote(config, node_aware), **options)
+        scaled = {**options, "lr": options["lr"] * config.lr_scale}
+        opt = SignMuon(muon_param_groups(net), vote=_vote(config, node_aware), **scaled)
         model = _ddp(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
@@ -174,21 +179,24 @@ def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = _ddp(net)
         averager = DPPFAverager(period, pull=pull, push=push, module=net)
-        opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), averager)
+        opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05 * config.lr_scale, momentum=0.9), averager)
         return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
 
     return build
 
 
 METHODS: dict[str, Method] = {
-    "adamw": _ddp_allreduce(lambda p: torch.optim.AdamW(p, lr=2e-3)),
-    "sgd": _ddp_allreduce(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    "adamw": _ddp_allreduce(lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "sgd": _ddp_allreduce(lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9)),
     "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
     "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
-    "muon_adamw": _ddp_allreduce(lambda p: MuonWithAdamW(p, lr=0.02, adamw_lr=2e-3), routed=True),
-    "powersgd_adamw": _ddp_powersgd(4, lambda p: torch.optim.AdamW(p, lr=2e-3)),
+    "muon_adamw": _ddp_allreduce(lambda p, s: MuonWithAdamW(p, lr=0.02 * s, adamw_lr=2e-3 * s), routed=True),
+    "powersgd_adamw": _ddp_powersgd(4, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
     "signmuon": _ddp_sign_muon(lr=2e-3),
     "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
+    # Per-layer step sizes: the SignMuon paper's lr/sqrt(fan_in), and Muon's own lr kept.
+    "signmuon_fan_in": _ddp_sign_muon(lr=0.016, lr_scaling="fan_in"),
+    "signmuon_muon_lr": _ddp_sign_muon(lr=0.02, lr_scaling="muon"),
     "signum_mv_node": _ddp_sign_vote(momentum=0.9, lr=1e-3, node_aware=True),
     "signmuon_node": _ddp_sign_muon(node_aware=True, lr=2e-3),
     "local_sgd_8": _local_sgd(8),
@@ -201,6 +209,8 @@ METHODS: dict[str, Method] = {
 
 
 def _progress(total: int, desc: str):
+    if not sys.stderr.isatty():  # in a log (or under netem) every update would become a line
+        return None
     try:
         from tqdm import tqdm
     except ImportError:  # the bench extra brings it; without it, no bar
@@ -234,6 +244,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
+        if config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -292,7 +304,9 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+        from matplotlib.ticker import LogFormatterSciNotation, NullFormatter
+
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), sharey=True)
         for r in results:
             log = r["log"]
             loss = [e["test_loss"] for e in log]
@@ -303,11 +317,18 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
             ax.set_xlabel(label)
             ax.grid(True, alpha=0.3)
         axes[1].set_xscale("log")
+        # Label the decades only: minor labels on a log axis spanning a decade or two overlap.
+        axes[1].xaxis.set_major_formatter(LogFormatterSciNotation())
+        axes[1].xaxis.set_minor_formatter(NullFormatter())
         axes[0].set_ylabel("test loss")
         axes[0].legend(fontsize=8)
+        if results:
+            first = results[0]
+            fig.suptitle(f"{first['task']}: {first['world_size']} ranks, {network_label()}, test loss by step, bytes and time")
         fig.tight_layout()
         fig.savefig(png_path, dpi=110)
         plt.close(fig)
+        print(f"wrote {os.path.abspath(png_path)}")
 
 
 def valley_of(state: dict[str, torch.Tensor], config: TrainConfig, directions: int = 10) -> float:
@@ -344,6 +365,9 @@ def run(methods: list[str], world_size: int, config: TrainConfig, valley: bool =
 def print_table(results: list[dict]) -> None:
     base = next((r["bytes_per_rank"] for r in results if r["method"] == "adamw"), None)
     ppl = any("test_ppl" in r for r in results)
+    if results:
+        first = results[0]
+        print(f"task={first['task']} world_size={first['world_size']} network={network_label()} steps={first['log'][-1]['step']}")
     print(
         f"{'method':>14} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
         + f"{'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} {'step ms':>8} {'Inv.MV':>7}"
@@ -360,7 +384,7 @@ def print_table(results: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("train", __doc__)
     parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
@@ -375,6 +399,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None,
+                        help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
+    parser.add_argument("--lr-scale", type=float, default=1.0,
+                        help="multiply every method's learning rates (default: %(default)s; see the sweep command)")
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
@@ -386,12 +414,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_device(parser, args.device)
     if args.task == "cifar10" and not args.data_dir:
         parser.error("--task cifar10 needs --data-dir (the folder holding torchvision's cifar-10-batches-py)")
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        parser.error(f"--clip-grad-norm {args.clip_grad_norm} must be > 0")
+    if not args.lr_scale > 0:
+        parser.error(f"--lr-scale {args.lr_scale} must be > 0")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must be >= 1 and divide --world-size {args.world_size}")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
-        progress=args.progress, ranks_per_node=args.ranks_per_node,
+        progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
+        lr_scale=args.lr_scale,
     )  # fmt: skip
     results = run(args.methods, args.world_size, config, valley=args.valley)
     if not under_torchrun() or os.environ.get("RANK") == "0":

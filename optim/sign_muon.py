@@ -149,7 +149,11 @@ class SignMuon(torch.optim.Optimizer):
         non_matrix: ``"signum"`` (vote the sign of the local momentum, one bit on the wire) or
             ``"adamw"`` (AdamW on the mean gradient, a full-precision all-reduce).
         adamw_lr: learning rate of the ``"adamw"`` path (None: ``lr``).
-        adamw_betas: AdamW's betas on that path.
+        adamw_betas: AdamW's betas on that path. (0.9, 0.95) as the auxiliary Adam of Keller
+            Jordan's Muon and nanoGPT use, not torch's (0.9, 0.999): in the short, noisy runs
+            Muon is used for, a second moment that forgets in ~20 steps instead of ~1000 follows
+            the gradient scale of embeddings and heads as it changes. Pass (0.9, 0.999) for
+            torch's. The path's weight decay is the group's ``weight_decay`` (0 by default).
         adamw_eps: AdamW's epsilon on that path.
         vote: the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
             algorithm, kernels, and ``nonfinite``: if any rank's gradient holds NaN or Inf,

@@ -141,6 +141,9 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["bandwidth", "--sizes", "1Q"], "'1Q' is not a size"),
         (["kernels", "--sizes", "0"], "must be at least one entry"),
         (["ddp-step", "--world-size", "-2"], "-2 must be at least 1"),
+        (["sweep", "--methods", "adamw", "lion"], "unknown ['lion']"),
+        (["sweep", "--lr-scales", "1", "-2"], "each must be a positive number"),
+        (["ns-precision", "--ranks", "-1"], "each must be >= 0"),
     ],
 )  # fmt: skip
 def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, message, capsys):
@@ -151,3 +154,56 @@ def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, messag
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "error:" in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_sweep_aggregates_seeds_and_picks_the_lowest_mean():
+    from signmuon.benchmarks.sweep import aggregate
+
+    grid = [
+        {"method": "a", "lr_scale": 1.0, "seed": 0, "test_loss": 2.0},
+        {"method": "a", "lr_scale": 1.0, "seed": 1, "test_loss": 4.0},
+        {"method": "a", "lr_scale": 2.0, "seed": 0, "test_loss": 2.9},
+        {"method": "a", "lr_scale": 2.0, "seed": 1, "test_loss": 2.9},
+        {"method": "b", "lr_scale": 0.5, "seed": 0, "test_loss": float("nan")},
+        {"method": "b", "lr_scale": 1.0, "seed": 0, "test_loss": 1.0},
+    ]
+    summary = aggregate(grid)
+    assert summary["a"]["scales"][1.0]["mean"] == 3.0
+    assert summary["a"]["scales"][1.0]["std"] == pytest.approx(2**0.5)  # sample std of (2, 4)
+    assert summary["a"]["tuned_scale"] == 2.0 and summary["a"]["tuned"]["mean"] == pytest.approx(2.9)
+    assert summary["b"]["tuned_scale"] == 1.0, "a diverged (NaN) factor is never the tuned one"
+
+
+def test_sweep_runs_each_method_scale_and_seed(tmp_path):
+    from signmuon.benchmarks import sweep
+
+    out = tmp_path / "sweep.json"
+    report = sweep.main(["--methods", "adamw", "signmuon", "--lr-scales", "0.5", "2", "--seeds", "0", "1",
+                         "--world-size", "2", "--steps", "3", "--json", str(out)])  # fmt: skip
+    assert len(report["grid"]) == 2 * 2 * 2
+    assert json.loads(out.read_text())["command"].startswith("signmuon-bench sweep --methods adamw")
+    losses = {(r["method"], r["lr_scale"], r["seed"]): r["test_loss"] for r in report["grid"]}
+    assert losses[("adamw", 0.5, 0)] != losses[("adamw", 2.0, 0)], "the factor reaches the optimizer"
+    assert losses[("adamw", 0.5, 0)] != losses[("adamw", 0.5, 1)], "the seed reaches the run"
+
+
+@pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
+                                     "ns-precision", "sweep"])  # fmt: skip
+def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
+    from signmuon.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: signmuon-bench {command} ")
+    assert "``" not in out and ":class:" not in out
+    assert "(default: " in out
+
+
+def test_demo_help_is_its_own(capsys):
+    from signmuon.benchmarks.__main__ import main
+
+    main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--eval-every 25" in out
