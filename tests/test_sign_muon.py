@@ -160,7 +160,7 @@ def test_single_process_equals_written_out_math():
 
 def test_post_vote_polar_step_band_and_rms():
     gen = torch.Generator().manual_seed(0)
-    group = {"polar_after_vote": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.7750, 2.0315)}
+    group = {"polar_after_vote": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_dtype": "float32"}
     for shape in [(64, 64), (32, 96), (16, 2, 3, 3)]:
         S = torch.randint(-1, 2, shape, generator=gen).float()
         D = SignMuon._post_vote(group, S.clone(), "matrix")
