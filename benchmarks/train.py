@@ -28,7 +28,15 @@ from signmuon.benchmarks.cli import check_device, command_parser, network_label,
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
-from signmuon.optim import DPPFAverager, MuonWithAdamW, SignMuon, inverse_mean_valley, local_sgd, muon_param_groups
+from signmuon.optim import (
+    DPPFAverager,
+    MuonWithAdamW,
+    SignMuon,
+    SignumMV,
+    inverse_mean_valley,
+    local_sgd,
+    muon_param_groups,
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -161,11 +169,15 @@ def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Meth
     return build
 
 
-def _ddp_sign_muon(node_aware: bool = False, **options) -> Method:
+def _ddp_sign_muon(node_aware: bool = False, optimizer: type[SignMuon] = SignMuon, **options) -> Method:
+    """SignMuon (or SignumMV / SignSGDMV) with its own DDP hook; its step takes the sign of
+    .grad, so --clip-grad-norm changes nothing (unlike the bare hook's SGD)."""
+
     def build(net: nn.Module, config: TrainConfig) -> Setup:
-        # Embeddings and the head on the Signum path, as Muon users route them.
         scaled = {**options, "lr": options["lr"] * config.lr_scale}
-        opt = SignMuon(muon_param_groups(net), vote=_vote(config, node_aware), **scaled)
+        # SignMuon: embeddings and the head on the Signum path, as Muon users route them.
+        params = muon_param_groups(net) if optimizer is SignMuon else net.parameters()
+        opt = optimizer(params, vote=_vote(config, node_aware), **scaled)
         model = _ddp(net)
         opt.register_comm_hook(model)
         return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
@@ -190,6 +202,7 @@ METHODS: dict[str, Method] = {
     "sgd": _ddp_allreduce(lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9)),
     "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
     "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
+    "signum_mv_optim": _ddp_sign_muon(optimizer=SignumMV, lr=1e-3, momentum=0.9),
     "muon_adamw": _ddp_allreduce(lambda p, s: MuonWithAdamW(p, lr=0.02 * s, adamw_lr=2e-3 * s), routed=True),
     "powersgd_adamw": _ddp_powersgd(4, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
     "signmuon": _ddp_sign_muon(lr=2e-3),

@@ -207,3 +207,39 @@ def test_demo_help_is_its_own(capsys):
     main(["demo", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--eval-every 25" in out
+
+
+def _curve(losses, dt=2.0, every=10):
+    return [{"step": every * (i + 1), "time_s": dt * (i + 1), "test_loss": loss} for i, loss in enumerate(losses)]
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_below_it():
+    from signmuon.benchmarks.curves import time_to_target
+
+    log = _curve([3.0, 2.5, 2.1, 2.3, 1.9])
+    assert time_to_target(log, 2.1) == (6.0, 30), "at or below, first time"
+    assert time_to_target(log, 2.0) == (10.0, 50), "a later rise does not count, the first crossing does"
+    assert time_to_target(log, 1.0) is None
+    assert time_to_target(_curve([float("nan"), 1.0]), 2.0) == (4.0, 20), "NaN never reaches a target"
+    with pytest.raises(ValueError, match="finite"):
+        time_to_target(log, float("nan"))
+
+
+def test_seed_summary_aggregates_curves_and_time_to_target():
+    from signmuon.benchmarks.curves import seed_summary
+
+    runs = [
+        {"log": _curve([3.0, 2.0], dt=1.0), "step_ms": 10.0, "bytes_per_rank": 100},
+        {"log": _curve([3.0, 2.4], dt=3.0), "step_ms": 30.0, "bytes_per_rank": 100},
+        {"log": _curve([2.0, 1.6], dt=4.0), "step_ms": 20.0, "bytes_per_rank": 100},
+    ]
+    s = seed_summary(runs, target=2.0)
+    assert s["seeds"] == 3 and s["final"][0] == pytest.approx(2.0) and s["final"][1] == pytest.approx(0.4)
+    assert s["step_ms"] == (20.0, 10.0) and s["bytes_per_rank"] == (100, 0.0)
+    assert s["curve"]["mean"] == [pytest.approx(8 / 3), pytest.approx(2.0)]
+    assert s["curve"]["time_s"] == [pytest.approx(8 / 3), pytest.approx(16 / 3)]
+    assert s["reached"] == 2, "the second seed never gets to 2.0"
+    assert s["time_to_target"] == (pytest.approx(3.0), pytest.approx(2**0.5))  # 2 s (step 20) and 4 s (step 10)
+    assert s["steps_to_target"][0] == 15.0
+    with pytest.raises(ValueError, match="different steps"):
+        seed_summary([runs[0], {**runs[1], "log": _curve([3.0], dt=1.0)}])

@@ -258,3 +258,33 @@ def test_hf_trainer_builds_our_optimizer_and_votes(tmp_path, deepspeed):
             assert out["adamw"].startswith("ValueError") and "AdamW" in out["adamw"]
     for a, b in zip(results[0]["clipped"]["params"], results[1]["clipped"]["params"]):
         assert torch.equal(a, b), "replicas agree"
+
+
+# -- a hook a framework dropped ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["step", "step-with-closure"])
+def test_a_hook_that_never_ran_raises_at_the_first_step(with_closure):
+    """What a framework that silently drops a hook leaves: a state that saw no bucket. The
+    first step raises with the framework's fix; a closure step (Lightning's) is checked after
+    its backward."""
+    from signmuon.comm_hooks import SignVoteState
+
+    from .toys import batch, tiny_net
+
+    net = tiny_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = SignVoteState()
+    state.check_called_by_first_step(opt, fix="Do the framework's thing.")
+    x, y = batch(0, 0)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="has not run since it was registered.*Do the framework's thing"):
+        opt.step(closure) if with_closure else (closure(), opt.step())
+    closure()
+    opt.step()  # checked once: the watch is gone after the first step
