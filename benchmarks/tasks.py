@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "TASKS", "make_task", "TinyGPT", "resnet18", "resnet50"]
+__all__ = ["CHARLM_SIZES", "Task", "TASKS", "make_task", "TinyGPT", "resnet18", "resnet50"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -142,7 +142,19 @@ def stdlib_text(max_bytes: int = 2_000_000) -> tuple[bytes, bytes]:
     return b"".join(train), b"".join(val)
 
 
-def charlm_task(seed: int = 0, data_dir: str | None = None, context: int = 64) -> Task:
+# GPT shapes by name: "small" trains in seconds on a laptop; "medium" (about 14M parameters) is
+# large enough that gradient communication matters on a 1-10 Gbit/s network.
+CHARLM_SIZES: dict[str, dict[str, int]] = {
+    "small": {"context": 64, "dim": 64, "layers": 2, "heads": 4},
+    "medium": {"context": 128, "dim": 384, "layers": 8, "heads": 6},
+}
+
+
+def charlm_task(seed: int = 0, data_dir: str | None = None, size: str = "small") -> Task:
+    if size not in CHARLM_SIZES:
+        raise ValueError(f"size={size!r}: choose from {sorted(CHARLM_SIZES)}")
+    shape = CHARLM_SIZES[size]
+    context = shape["context"]
     train_bytes, val_bytes = stdlib_text()
     train = torch.from_numpy(np.frombuffer(train_bytes, dtype=np.uint8).astype(np.int64))
     val = torch.from_numpy(np.frombuffer(val_bytes, dtype=np.uint8).astype(np.int64))
@@ -156,7 +168,7 @@ def charlm_task(seed: int = 0, data_dir: str | None = None, context: int = 64) -
     val_starts = torch.randint(0, len(val) - context - 1, (512,), generator=gen)
     return Task(
         name="charlm",
-        make_model=lambda: TinyGPT(context=context),
+        make_model=lambda: TinyGPT(**shape),
         num_examples=len(train) - context - 1,
         batch=lambda idx: windows(train, idx),
         held_out=[windows(val, s) for s in val_starts.split(128)],
@@ -266,9 +278,13 @@ def cifar10_task(seed: int = 0, data_dir: str | None = None, arch: str = "resnet
 TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "charlm": charlm_task, "cifar10": cifar10_task}
 
 
-def make_task(name: str, seed: int = 0, data_dir: str | None = None, arch: str = "resnet18") -> Task:
+def make_task(name: str, seed: int = 0, data_dir: str | None = None, arch: str = "resnet18", size: str = "small") -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose from {sorted(TASKS)}")
+    if name == "charlm":
+        return charlm_task(seed=seed, data_dir=data_dir, size=size)
+    if size != "small":
+        raise ValueError(f"size={size!r} is charlm's option; {name} has one model size")
     if arch not in ("resnet18", "resnet50"):
         raise ValueError(f"arch={arch!r} must be resnet18 or resnet50")
     if name == "cifar10":

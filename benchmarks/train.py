@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -25,9 +26,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import check_device, command_parser, network_label, positive_int
+from signmuon.benchmarks.curves import seed_summary, time_to_target
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
+from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
-from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn, make_task
 from signmuon.optim import (
     DPPFAverager,
     MuonWithAdamW,
@@ -67,6 +69,8 @@ class TrainConfig:
     """L for the node-aware (``*_node``) methods; None reads torchrun's LOCAL_WORLD_SIZE."""
     lr_scale: float = 1.0
     """Multiplies every learning rate of the method (the learning-rate sweep's knob)."""
+    size: str = "small"
+    """charlm's model size (``small``, ``medium``: about 14M parameters)."""
     clip_grad_norm: float | None = None
     """``clip_grad_norm_(max_norm)`` before each step, as nanoGPT does (None: no clipping)."""
 
@@ -235,7 +239,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     """Train ``method`` on this rank; every rank returns the same final metrics."""
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must divide by the world size {world_size}")
-    task = make_task(config.task, config.seed, config.data_dir, arch=config.arch)
+    task = make_task(config.task, config.seed, config.data_dir, arch=config.arch, size=config.size)
     device = torch.device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -248,6 +252,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     log, step_times = [], []
     progress = _progress(config.steps, f"{task.name}/{method}") if rank == 0 and config.progress else None
     wall_start = time.perf_counter()
+    eval_seconds = 0.0  # left out of time_s: the curves show training time, not evaluation time
     for step in range(config.steps):
         batch = torch.randint(0, task.num_examples, (config.batch_size,), generator=data_gen)
         x, y = (t.to(device) for t in task.batch(batch[rank * per_rank : (rank + 1) * per_rank]))
@@ -266,7 +271,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         if progress is not None:
             progress.update()
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            entry = {"step": step + 1, "time_s": time.perf_counter() - wall_start, "bytes": setup.stats.bytes_sent,
+            eval_start = time.perf_counter()
+            entry = {"step": step + 1, "time_s": eval_start - wall_start - eval_seconds, "bytes": setup.stats.bytes_sent,
                      "train_loss": loss.item(), **evaluate(model, task)}  # fmt: skip
             if setup.averager is not None:
                 # Workers differ between rounds: report the consensus and the mean worker.
@@ -277,12 +283,14 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                 consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
                 entry.update(evaluate(consensus, task))
             log.append(entry)
+            eval_seconds += time.perf_counter() - eval_start
     if progress is not None:
         progress.close()
     result = {
         "method": method,
-        "task": task.name,
+        "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
+        "seed": config.seed,
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
         "step_ms": 1e3 * statistics.median(step_times),
@@ -302,30 +310,35 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
 
 
 def write_curves(results: list[dict], csv_path: str | None = None, png_path: str | None = None) -> None:
-    """Every evaluation of every method as CSV rows, and test loss vs step / bytes / time as PNG."""
+    """Every evaluation of every run as CSV rows, and test loss vs step / bytes / time as PNG
+    (one line per method: the mean over seeds, with a ±1 std band when there are several)."""
     if csv_path:
-        fields = ["method", "step", "time_s", "bytes", "train_loss", "test_loss", "test_acc", "worker_acc"]
+        fields = ["method", "seed", "step", "time_s", "bytes", "train_loss", "test_loss", "test_acc", "worker_acc"]
         with open(csv_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
             for r in results:
                 for entry in r["log"]:
-                    writer.writerow({"method": r["method"], **entry})
+                    writer.writerow({"method": r["method"], "seed": r.get("seed", 0), **entry})
     if png_path:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
         from matplotlib.ticker import LogFormatterSciNotation, NullFormatter
 
         fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), sharey=True)
-        for r in results:
-            log = r["log"]
-            loss = [e["test_loss"] for e in log]
-            axes[0].plot([e["step"] for e in log], loss, marker=".", label=r["method"])
-            axes[1].plot([max(e["bytes"], 1) / 1e6 for e in log], loss, marker=".")
-            axes[2].plot([e["time_s"] for e in log], loss, marker=".")
+        for method, runs in _by_method(results).items():
+            summary = seed_summary(runs)
+            curve, log = summary["curve"], runs[0]["log"]
+            mean, std = curve["mean"], curve["std"]
+            xs = ([e["step"] for e in log], [max(e["bytes"], 1) / 1e6 for e in log], curve["time_s"])
+            for ax, x in zip(axes, xs):
+                line = ax.plot(x, mean, marker=".", label=method if ax is axes[0] else None)[0]
+                if len(runs) > 1:
+                    lower = [m - d for m, d in zip(mean, std)]
+                    upper = [m + d for m, d in zip(mean, std)]
+                    ax.fill_between(x, lower, upper, color=line.get_color(), alpha=0.2)
         for ax, label in zip(axes, ("step", "MB sent per rank", "wall time, s")):
             ax.set_xlabel(label)
             ax.grid(True, alpha=0.3)
@@ -337,16 +350,26 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
         axes[0].legend(fontsize=8)
         if results:
             first = results[0]
-            fig.suptitle(f"{first['task']}: {first['world_size']} ranks, {network_label()}, test loss by step, bytes and time")
+            seeds = len({r.get("seed", 0) for r in results})
+            band = f", mean ± std of {seeds} seeds" if seeds > 1 else ""
+            fig.suptitle(f"{first['task']}: {first['world_size']} ranks, {network_label()}: test loss by step, bytes and time{band}")
         fig.tight_layout()
         fig.savefig(png_path, dpi=110)
         plt.close(fig)
         print(f"wrote {os.path.abspath(png_path)}")
 
 
+def _by_method(results: list[dict]) -> dict[str, list[dict]]:
+    """Runs grouped by method, in first-seen order."""
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r["method"], []).append(r)
+    return groups
+
+
 def valley_of(state: dict[str, torch.Tensor], config: TrainConfig, directions: int = 10) -> float:
     """Inv. MV of a final (consensus) model on training batches (delta = 0.1 nats)."""
-    task = make_task(config.task, config.seed, config.data_dir, arch=config.arch)
+    task = make_task(config.task, config.seed, config.data_dir, arch=config.arch, size=config.size)
     net = task.make_model()
     net.load_state_dict(state)
     indices = torch.randperm(task.num_examples, generator=torch.Generator().manual_seed(config.seed))[:2048]
@@ -375,25 +398,56 @@ def run(methods: list[str], world_size: int, config: TrainConfig, valley: bool =
     return results
 
 
-def print_table(results: list[dict]) -> None:
+def _target_cell(hit: tuple[float, int] | None) -> tuple[str, str]:
+    return ("-", "-") if hit is None else (f"{hit[0]:.1f}", str(hit[1]))
+
+
+def print_table(results: list[dict], target: float | None = None) -> None:
+    """One seed: a row per method; with ``target``, the wall time and steps to reach it."""
     base = next((r["bytes_per_rank"] for r in results if r["method"] == "adamw"), None)
     ppl = any("test_ppl" in r for r in results)
     if results:
         first = results[0]
-        print(f"task={first['task']} world_size={first['world_size']} network={network_label()} steps={first['log'][-1]['step']}")
+        print(f"task={first['task']} world_size={first['world_size']} network={network_label()} "
+              f"steps={first['log'][-1]['step']} seed={first.get('seed', 0)}"
+              + (f" target loss={target:.4f}" if target is not None else ""))  # fmt: skip
     print(
-        f"{'method':>14} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
+        f"{'method':>16} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
         + f"{'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} {'step ms':>8} {'Inv.MV':>7}"
+        + (f" {'s to target':>12} {'steps':>6}" if target is not None else "")
     )
     for r in results:
         ratio = f"{r['bytes_per_rank'] / base:.3f}" if base else "-"
         worker = f"{r['worker_acc']:.3f}" if "worker_acc" in r else "-"
         inv_mv = f"{r['inv_mv']:.3f}" if "inv_mv" in r else "-"
         perplexity = f"{r['test_ppl']:>9.3f} " if ppl else ""
+        reach = ""
+        if target is not None:
+            seconds, steps = _target_cell(time_to_target(r["log"], target))
+            reach = f" {seconds:>12} {steps:>6}"
         print(
-            f"{r['method']:>14} {r['test_acc']:>9.3f} {worker:>10} {perplexity}{r['rounds']:>7} "
-            f"{r['bytes_per_rank'] / 1e6:>13.3f} {ratio:>9} {r['step_ms']:>8.2f} {inv_mv:>7}"
+            f"{r['method']:>16} {r['test_acc']:>9.3f} {worker:>10} {perplexity}{r['rounds']:>7} "
+            f"{r['bytes_per_rank'] / 1e6:>13.3f} {ratio:>9} {r['step_ms']:>8.2f} {inv_mv:>7}{reach}"
         )
+
+
+def print_summary(summaries: dict[str, dict], results: list[dict], target: float | None) -> None:
+    """Several seeds: per method the mean ± std of the final test loss and step time, bytes,
+    and how many seeds reach ``target`` in what time and steps (mean ± std of those that do)."""
+    first = results[0]
+    print(f"task={first['task']} world_size={first['world_size']} network={network_label()} "
+          f"steps={first['log'][-1]['step']} seeds={summaries[first['method']]['seeds']}"
+          + (f" target loss={target:.4f}" if target is not None else ""))  # fmt: skip
+    print(f"{'method':>16} {'test loss':>17} {'MB sent/rank':>13} {'step ms':>15}"
+          + (f" {'reached':>8} {'s to target':>15} {'steps':>13}" if target is not None else ""))  # fmt: skip
+    for method, s in summaries.items():
+        row = (f"{method:>16} {s['final'][0]:>8.4f} ± {s['final'][1]:<6.4f} {s['bytes_per_rank'][0] / 1e6:>13.3f} "
+               f"{s['step_ms'][0]:>7.2f} ± {s['step_ms'][1]:<5.2f}")  # fmt: skip
+        if target is not None:
+            t, n = s["time_to_target"], s["steps_to_target"]
+            row += f" {s['reached']:>4}/{s['seeds']:<3}"
+            row += f" {t[0]:>7.1f} ± {t[1]:<5.1f} {n[0]:>6.0f} ± {n[1]:<4.0f}" if t else f" {'-':>15} {'-':>13}"
+        print(row)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -408,7 +462,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[TrainConfig.seed],
+                        help="one run per seed; several give mean ± std and bands (default: %(default)s)")
+    parser.add_argument("--size", default="small", choices=sorted(CHARLM_SIZES), help="charlm's model size")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="report time and steps to this test loss (default: adamw's final loss, if run)")
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
@@ -431,20 +489,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--clip-grad-norm {args.clip_grad_norm} must be > 0")
     if not args.lr_scale > 0:
         parser.error(f"--lr-scale {args.lr_scale} must be > 0")
+    if args.size != "small" and args.task != "charlm":
+        parser.error(f"--size {args.size} is charlm's option; --task {args.task} has one model size")
+    if args.target_loss is not None and not math.isfinite(args.target_loss):
+        parser.error(f"--target-loss {args.target_loss} must be a finite loss")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {args.seeds}: each seed once")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must be >= 1 and divide --world-size {args.world_size}")
     config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seed=args.seed, byzantine=args.byzantine,
+        steps=args.steps, batch_size=args.batch_size, byzantine=args.byzantine, size=args.size,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
         lr_scale=args.lr_scale,
     )  # fmt: skip
-    results = run(args.methods, args.world_size, config, valley=args.valley)
+    results = [r for seed in args.seeds for r in run(args.methods, args.world_size, dataclasses.replace(config, seed=seed), valley=args.valley)]
+    by_method = _by_method(results)
+    target = args.target_loss
+    if target is None and "adamw" in by_method:  # the quality the full-precision baseline reaches
+        target = statistics.fmean(r["log"][-1]["test_loss"] for r in by_method["adamw"])
+    summaries = {m: seed_summary(runs, target) for m, runs in by_method.items()}
     if not under_torchrun() or os.environ.get("RANK") == "0":
-        print_table(results)
+        if len(args.seeds) == 1:
+            print_table(results, target)
+        else:
+            print_summary(summaries, results, target)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([{k: v for k, v in r.items() if k != "final_state"} for r in results], f, indent=1)
+                json.dump({"command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),
+                           "target_loss": target, "summary": summaries,
+                           "runs": [{k: v for k, v in r.items() if k != "final_state"} for r in results]}, f, indent=1)  # fmt: skip
         write_curves(results, args.csv, args.plot)
     return results
 

@@ -30,16 +30,22 @@ def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
 def test_train_writes_curves_and_is_repeatable(tmp_path):
     from signmuon.benchmarks import train
 
-    argv = ["--world-size", "2", "--steps", "40", "--eval-every", "20", "--methods", "adamw", "signum_mv",
-            "--csv", str(tmp_path / "curves.csv"), "--plot", str(tmp_path / "curves.png")]  # fmt: skip
-    first = train.main(argv)
-    second = train.main(argv[:-4])
-    for a, b in zip(first, second):
+    argv = ["--world-size", "2", "--steps", "30", "--eval-every", "15", "--methods", "adamw", "signum_mv"]
+    outputs = ["--csv", str(tmp_path / "curves.csv"), "--plot", str(tmp_path / "curves.png"), "--json", str(tmp_path / "r.json")]
+    both = train.main(argv + ["--seeds", "0", "1"] + outputs)
+    again = train.main(argv + ["--seeds", "0"])
+    assert [(r["method"], r["seed"]) for r in both] == [("adamw", 0), ("signum_mv", 0), ("adamw", 1), ("signum_mv", 1)]
+    for a, b in zip(both[:2], again):
         assert [e["test_loss"] for e in a["log"]] == [e["test_loss"] for e in b["log"]], "seeded runs repeat"
+    assert both[0]["log"][-1]["test_loss"] != both[2]["log"][-1]["test_loss"], "seeds differ"
     rows = (tmp_path / "curves.csv").read_text().splitlines()
-    assert rows[0].startswith("method,step,time_s,bytes") and len(rows) == 1 + 2 * 2
+    assert rows[0].startswith("method,seed,step,time_s,bytes") and len(rows) == 1 + 2 * 2 * 2
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    adamw, signum = first
+    report = json.loads((tmp_path / "r.json").read_text())
+    adamw_final = [r["log"][-1]["test_loss"] for r in both if r["method"] == "adamw"]
+    assert report["target_loss"] == pytest.approx(sum(adamw_final) / 2), "default target: adamw's mean final loss"
+    assert report["summary"]["adamw"]["seeds"] == 2 and report["command"].startswith("signmuon-bench train")
+    adamw, signum = both[:2]
     assert signum["log"][-1]["bytes"] < adamw["log"][-1]["bytes"] / 5
 
 
