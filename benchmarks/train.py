@@ -87,6 +87,8 @@ class Setup:
     """Counts the bytes this rank sends."""
     averager: DPPFAverager | None = None
     """For local SGD / DPPF: evaluation uses its consensus model (the workers' average)."""
+    votes: bool = False
+    """Whether the gradients go through our vote, whose pack / vote / unpack / wait are timed."""
 
 
 def _ddp(net: nn.Module) -> DDP:
@@ -168,7 +170,8 @@ def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Meth
         model = _ddp(net)
         state = SignVoteState(momentum=momentum, start_iter=1, vote=_vote(config, node_aware))
         model.register_comm_hook(state, sign_vote_hook)
-        return Setup(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr * config.lr_scale), stats=state.stats)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr * config.lr_scale)
+        return Setup(model=model, optimizer=optimizer, stats=state.stats, votes=True)
 
     return build
 
@@ -184,7 +187,7 @@ def _ddp_sign_muon(node_aware: bool = False, optimizer: type[SignMuon] = SignMuo
         opt = optimizer(params, vote=_vote(config, node_aware), **scaled)
         model = _ddp(net)
         opt.register_comm_hook(model)
-        return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats)
+        return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats, votes=True)
 
     return build
 
@@ -253,6 +256,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     progress = _progress(config.steps, f"{task.name}/{method}") if rank == 0 and config.progress else None
     wall_start = time.perf_counter()
     eval_seconds = 0.0  # left out of time_s: the curves show training time, not evaluation time
+    warmup = min(5, config.steps // 5)  # kernels compile and buckets form: left out of the time split
+    at_warmup = _seconds(setup)
     for step in range(config.steps):
         batch = torch.randint(0, task.num_examples, (config.batch_size,), generator=data_gen)
         x, y = (t.to(device) for t in task.batch(batch[rank * per_rank : (rank + 1) * per_rank]))
@@ -268,6 +273,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - start)
+        if step + 1 == warmup:
+            at_warmup = _seconds(setup)
         if progress is not None:
             progress.update()
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
@@ -294,6 +301,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
         "step_ms": 1e3 * statistics.median(step_times),
+        "time_split_ms": time_split(step_times[warmup:], _seconds(setup), at_warmup),
         "log": log,
     }
     if "test_ppl" in log[-1]:
@@ -307,6 +315,45 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         result["rounds"] = config.steps  # gradient communication every step
         result["final_state"] = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return result
+
+
+def _seconds(setup: Setup) -> dict[str, float | None]:
+    """The cumulative timers a time split is a difference of (None: not ours to time)."""
+    stats = setup.stats
+    packing = stats.pack_seconds + stats.vote_seconds + stats.unpack_seconds
+    return {
+        "newton_schulz": getattr(setup.optimizer, "ns_seconds", None),
+        "pack_vote_unpack": packing if setup.votes else None,
+        "network_wait": stats.wait_seconds if setup.votes else None,
+    }
+
+
+def time_split(step_times: list[float], end: dict, start: dict) -> dict[str, float | None]:
+    """Where a step's time went, in ms per step (means over ``step_times``, this rank):
+    Newton–Schulz, packing + voting + unpacking, blocked on the network, and the rest (forward,
+    backward, the optimizer's arithmetic), from the timers at the start and end of those steps.
+    None where the work is not ours to time (torch's Muon, DDP's own all-reduce, whose wait
+    happens inside DDP's reducer)."""
+    steps = max(len(step_times), 1)
+    split: dict[str, float | None] = {"step": 1e3 * sum(step_times) / steps}
+    for field in ("newton_schulz", "pack_vote_unpack", "network_wait"):
+        split[field] = None if end[field] is None or start[field] is None else 1e3 * (end[field] - start[field]) / steps
+    split["forward_backward_rest"] = split["step"] - sum(v for k, v in split.items() if k != "step" and v is not None)
+    return split
+
+
+def print_time_split(results: list[dict]) -> None:
+    """Per method, the mean over seeds of :func:`time_split`."""
+    fields = ("step", "forward_backward_rest", "newton_schulz", "pack_vote_unpack", "network_wait")
+    print("where a step's time goes, ms (mean per step; '-': not ours to time)")
+    print(f"{'method':>16} {'step':>8} {'fwd+bwd+rest':>13} {'Newton-Schulz':>14} {'pack+vote+unpack':>17} {'network wait':>13}")
+    for method, runs in _by_method(results).items():
+        cells = []
+        for field in fields:
+            values = [r["time_split_ms"][field] for r in runs if r["time_split_ms"][field] is not None]
+            cells.append(f"{statistics.fmean(values):.2f}" if values else "-")
+        widths = (8, 13, 14, 17, 13)
+        print(f"{method:>16} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
 
 
 def write_curves(results: list[dict], csv_path: str | None = None, png_path: str | None = None) -> None:
@@ -514,6 +561,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print_table(results, target)
         else:
             print_summary(summaries, results, target)
+        print_time_split(results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -40,6 +40,7 @@ order (gloo pairs collectives by issue order; see ``VoteWork``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,14 +87,24 @@ class VoteMismatchError(ValueError):
 
 
 class CommStats:
-    """Calls, bytes sent and received, and calls skipped for non-finite input.
+    """Calls, bytes sent and received, calls skipped for non-finite input, and where the time went.
 
     ``bytes_sent`` counts everything this rank sent; the node-aware vote also counts what it
     sent inside its node in ``bytes_sent_inside_node`` (the rest crossed between nodes:
     :attr:`bytes_sent_between_nodes`).
+
+    Seconds on this rank's host thread: ``pack_seconds`` (encoding the signs), ``vote_seconds``
+    (the vote on the received shards), ``unpack_seconds`` (decoding the result) and
+    ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one).
+    On a GPU kernels run asynchronously, so their time shows up where the host next waits for
+    them (the headers' reads): the split is exact on CPU and indicative on GPU.
     """
 
-    __slots__ = ("calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node")
+    __slots__ = (
+        "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
+        "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds",
+    )  # fmt: skip
+    _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -102,6 +113,10 @@ class CommStats:
         self.skipped = 0
         self.bytes_sent_inside_node = 0
         self.bytes_received_inside_node = 0
+        self.pack_seconds = 0.0
+        self.vote_seconds = 0.0
+        self.unpack_seconds = 0.0
+        self.wait_seconds = 0.0
 
     def add(self, sent: int, received: int, inside_node: bool = False) -> None:
         self.bytes_sent += sent
@@ -114,12 +129,13 @@ class CommStats:
     def bytes_sent_between_nodes(self) -> int:
         return self.bytes_sent - self.bytes_sent_inside_node
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | float]:
         return {name: getattr(self, name) for name in self.__slots__}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | float]) -> None:
         for name in self.__slots__:
-            setattr(self, name, int(state.get(name, 0)))
+            kind = float if name in self._SECONDS else int
+            setattr(self, name, kind(state.get(name, 0)))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
@@ -278,6 +294,7 @@ class ExchangeWork:
         self._stage, self._skipped, self._reduced = 0, False, None
         if stats is not None:
             stats.calls += 1
+        start = time.perf_counter()
         self._encoded = enc = encoding.encode(flat, plan)
         parts = plan.parts
         header = torch.empty(parts, HEADER_WORDS, dtype=torch.int64, device=flat.device)
@@ -290,6 +307,7 @@ class ExchangeWork:
         header[:, 2] = _shape_word(flat.numel(), flat.dtype)
         header[:, 3] = self._tag
         send = torch.cat([header, enc.rows], dim=1)  # [parts, 4 + S]
+        self._time("pack_seconds", start)
         M = plan.world_size
         if M == 1:
             self._recv, self._work = send, None
@@ -302,6 +320,13 @@ class ExchangeWork:
             self._recv = row.new_empty(M, row.numel())
             self._work = dist.all_gather(list(self._recv.unbind(0)), row, group=group, async_op=True)
             self._account((M - 1) * row.numel(), (M - 1) * row.numel())
+
+    def _time(self, field: str, start: float) -> float:
+        """Add the seconds since ``start`` to ``field`` of the statistics; returns now."""
+        now = time.perf_counter()
+        if self._stats is not None:
+            setattr(self._stats, field, getattr(self._stats, field) + now - start)
+        return now
 
     def _account(self, sent_words: int, received_words: int) -> None:
         if self._stats is not None:
@@ -344,10 +369,12 @@ class ExchangeWork:
         """Wait for step 1, reduce this rank's part, start step 3."""
         if self._stage >= 1:
             return
+        start = time.perf_counter()
         if self._work is not None:
             self._work.wait()
         plan, M = self._plan, self._plan.world_size
         headers = self._recv[:, :HEADER_WORDS].tolist()  # the one host sync of this step
+        start = self._time("wait_seconds", start)
         self._check_headers(headers)
         bad_ranks = [r for r, h in enumerate(headers) if h[0] & FLAG_NONFINITE]
         if bad_ranks:  # every rank sees the same headers, so all take this branch together
@@ -369,9 +396,11 @@ class ExchangeWork:
             else:
                 own = enc.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
                 extras = self._exchange_extras(lengths, [own], broadcast=True)
+            start = self._time("wait_seconds", start)  # a blocking collective
         part = plan.rank if plan.two_phase else 0
         rows = self._recv[:, HEADER_WORDS:]
         reduced = self._encoding.reduce(rows, codes, [h[1] for h in headers], extras, part, plan)
+        self._time("vote_seconds", start)
         self._encoded = None
         if plan.two_phase:
             send = torch.cat([torch.stack([reduced.codes[0], reduced.values[0]]), reduced.rows[0]])  # [2 + S]
@@ -390,6 +419,7 @@ class ExchangeWork:
         if self._skipped:
             self._out.zero_()
         elif plan.two_phase:
+            start = time.perf_counter()
             self._work.wait()
             headers = self._recv[:, :GATHER_HEADER_WORDS].tolist()  # host sync: extras' sizes
             codes = [h[0] for h in headers]
@@ -398,13 +428,17 @@ class ExchangeWork:
             if any(lengths):
                 own = self._reduced.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
                 extras = self._exchange_extras(lengths, [own], broadcast=True)
+            start = self._time("wait_seconds", start)
             rows = self._recv[:, GATHER_HEADER_WORDS:]
             self._encoding.decode(rows, codes, [h[1] for h in headers], extras, plan, self._out)
+            self._time("unpack_seconds", start)
         else:
+            start = time.perf_counter()
             reduced = self._reduced
             code, value = torch.stack([reduced.codes[0], reduced.values[0]]).tolist()  # one host sync
             extras = [reduced.extra(0, code) if code >> 8 else None]
             self._encoding.decode(reduced.rows, [code], [value], extras, plan, self._out)
+            self._time("unpack_seconds", start)
         self._stage = 2
         self._recv = self._work = self._reduced = self._encoded = None  # free buffers
         return self._out

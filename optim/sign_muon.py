@@ -27,6 +27,7 @@ On several ranks without either, ``step()`` raises rather than silently applying
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -207,6 +208,7 @@ class SignMuon(torch.optim.Optimizer):
         self.checkpoint_all_ranks = bool(checkpoint_all_ranks)
         self.steps_taken = 0  # optimizer steps so far (tie-break seeds; checkpointed)
         self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
+        self.ns_seconds = 0.0  # host seconds in Newton–Schulz, this rank (on a GPU: launch time only)
         self._comm_state: SignMuonHookState | None = None
         self._hook_iter_seen = 0
         self._hook_raised_seen = 0
@@ -297,20 +299,23 @@ class SignMuon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - beta)
         direction = grad.lerp(buf, beta) if group["nesterov"] else buf
         if path == "matrix":
+            start = time.perf_counter()
             matrix = newton_schulz(
                 as_matrix(direction), group["ns_steps"], group["ns_coefficients"], dtype=getattr(torch, group["ns_dtype"])
             )
+            self.ns_seconds += time.perf_counter() - start
             return matrix.view_as(param)
         return direction
 
-    @staticmethod
-    def _post_vote(group: dict[str, Any], voted: torch.Tensor, path: str) -> torch.Tensor:
+    def _post_vote(self, group: dict[str, Any], voted: torch.Tensor, path: str) -> torch.Tensor:
         """D from the voted signs S: S itself, or NS(S) rescaled to entry-RMS 1."""
         if path != "matrix" or not group["polar_after_vote"]:
             return voted
+        start = time.perf_counter()
         polar = newton_schulz(
             as_matrix(voted), group["ns_steps"], group["ns_coefficients"], dtype=getattr(torch, group["ns_dtype"])
         )
+        self.ns_seconds += time.perf_counter() - start
         rms = polar.norm() / math.sqrt(polar.numel())
         return polar.div_(rms.clamp_min(1e-12)).view_as(voted)  # all-zero S stays zero
 

@@ -47,6 +47,11 @@ def test_train_writes_curves_and_is_repeatable(tmp_path):
     assert report["summary"]["adamw"]["seeds"] == 2 and report["command"].startswith("signmuon-bench train")
     adamw, signum = both[:2]
     assert signum["log"][-1]["bytes"] < adamw["log"][-1]["bytes"] / 5
+    # Where the time goes: the vote's parts are timed, DDP's own all-reduce is not ours to time.
+    split = signum["time_split_ms"]
+    assert split["pack_vote_unpack"] > 0 and split["network_wait"] >= 0 and split["newton_schulz"] is None
+    assert 0 <= split["forward_backward_rest"] <= split["step"]
+    assert adamw["time_split_ms"]["pack_vote_unpack"] is None and adamw["time_split_ms"]["forward_backward_rest"] > 0
 
 
 def test_charlm_task_splits_by_file_and_predicts_next_byte():

@@ -163,14 +163,14 @@ def test_post_vote_polar_step_band_and_rms():
     group = {"polar_after_vote": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_dtype": "float32"}
     for shape in [(64, 64), (32, 96), (16, 2, 3, 3)]:
         S = torch.randint(-1, 2, shape, generator=gen).float()
-        D = SignMuon._post_vote(group, S.clone(), "matrix")
+        D = SignMuon([torch.nn.Parameter(torch.zeros(2, 2))])._post_vote(group, S.clone(), "matrix")
         assert D.shape == S.shape
         assert abs(D.pow(2).mean().sqrt().item() - 1.0) < 1e-5
         s = torch.linalg.svdvals(as_matrix(D))
         # Entry-RMS 1 fixes ||D||_F = sqrt(m*n), so the band is relative to its mean singular value.
         mean = s.pow(2).mean().sqrt()
         assert 0.5 < (s / mean).min() and (s / mean).max() < 1.5
-    zero = SignMuon._post_vote(group, torch.zeros(8, 8), "matrix")
+    zero = SignMuon([torch.nn.Parameter(torch.zeros(2, 2))])._post_vote(group, torch.zeros(8, 8), "matrix")
     assert torch.equal(zero, torch.zeros(8, 8))
 
 
