@@ -8,6 +8,7 @@ same launcher as the benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -62,17 +63,31 @@ def under_torchrun() -> bool:
 
 
 def run_torchrun(fn, *args, backend: str | None = None):
-    """Call ``fn(rank, world_size, *args)`` in a process torchrun started; return its result."""
+    """Call ``fn(rank, world_size, *args)`` in a process torchrun started; return its result.
+
+    Uses the process group if one is up (see :func:`torchrun_group`), else makes one for the call.
+    """
+    with torchrun_group(backend):
+        result = fn(dist.get_rank(), dist.get_world_size(), *args)
+        gc.collect()
+        dist.barrier()
+        return result
+
+
+@contextlib.contextmanager
+def torchrun_group(backend: str | None = None):
+    """The torchrun process group for the duration, made once: creating it again on the same
+    MASTER_PORT after destroying it can hang the rendezvous, so several runs share one."""
+    if dist.is_initialized():
+        yield
+        return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     try:
-        result = fn(dist.get_rank(), dist.get_world_size(), *args)
-        gc.collect()
-        dist.barrier()
-        return result
+        yield
     finally:
         dist.destroy_process_group()
 

@@ -16,6 +16,12 @@ loopback, unshaped, and only traffic between nodes crosses the shaped links, who
 then give the bytes that crossed between nodes (e.g. for the node-aware vote)::
 
     signmuon-bench netem --world-size 4 --ranks-per-node 2 --rate 1gbit -- ddp-step --methods sign_vote sign_vote_node
+
+``--rates`` runs the command once per rate. With ``train`` it prints the wall time to the target
+loss per method and rate and ``--plot`` draws test loss against wall time, one panel per rate::
+
+    signmuon-bench netem --world-size 4 --rates 100mbit 1gbit 10gbit --plot rates.png -- \
+        train --task charlm --size medium --methods adamw signmuon --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -145,7 +151,10 @@ def _bits(rate: str) -> int:
     rate = rate.lower().strip()
     for suffix, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
         if rate.endswith(suffix):
-            return int(float(rate[: -len(suffix)]) * scale)
+            try:
+                return int(float(rate[: -len(suffix)]) * scale)
+            except ValueError:
+                break
     raise ValueError(f"rate={rate!r}: give it in tc's units, e.g. 1gbit, 100mbit")
 
 
@@ -159,15 +168,41 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ranks-per-node", type=int, default=1,
                         help="ranks sharing a namespace (a node: loopback inside, shaped links between)")
     parser.add_argument("--rate", default="1gbit", help="tc rate per rank, e.g. 1gbit, 10gbit")
+    parser.add_argument("--rates", nargs="+", help="run the command once per rate (overrides --rate)")
     parser.add_argument("--delay", default="0.2ms", help="tc delay per packet, e.g. 0.2ms ('' for none)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--plot", help="with train: test loss against wall time, one panel per rate (PNG)")
+    parser.add_argument("--json", help="write the report of every rate here")
     args = parser.parse_args(argv[:split])
     inner = argv[split + 1 :]
+    rates = args.rates or [args.rate]
+    for rate in rates:
+        try:
+            _bits(rate)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.plot and inner[:1] != ["train"]:
+        parser.error("--plot draws training curves: give it with '-- train ...'")
+    reports = [_run_once(args, inner, rate) for rate in rates]
+    if inner[0] == "train" and len(rates) > 0:
+        print_time_to_target(reports)
+        if args.plot:
+            plot_rates(reports, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "signmuon-bench netem " + " ".join(argv), "reports": reports}, f, indent=1)
+    return reports[0] if len(reports) == 1 else {"reports": reports}
+
+
+def _run_once(args, inner: list[str], rate: str) -> dict:
+    """The inner command across namespaces at one rate; its report."""
     with tempfile.TemporaryDirectory() as tmp:
         json_path = os.path.join(tmp, "rows.json")
         if inner[0] == "bandwidth" and "--json" not in inner:
             inner = inner + ["--json", json_path, "--no-progress"]
-        with EmulatedNetwork(args.world_size, args.rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
+        if inner[0] == "train" and "--json" not in inner:
+            inner = inner + ["--json", json_path, "--no-progress"]
+        with EmulatedNetwork(args.world_size, rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
             before = net.tx_bytes()
             results = net.run(inner, args.timeout)
             sent = [after - b for after, b in zip(net.tx_bytes(), before)]
@@ -178,22 +213,78 @@ def main(argv: list[str] | None = None) -> dict:
         delay = "" if net.delay_dropped else args.delay
         L = args.ranks_per_node
         unit = "node" if L > 1 else "rank"
-        report = {"world_size": args.world_size, "ranks_per_node": L, "rate": args.rate, "delay": delay,
+        report = {"world_size": args.world_size, "ranks_per_node": L, "rate": rate, "delay": delay,
                   f"tx_bytes_per_{unit}": sent}  # fmt: skip
         if os.path.exists(json_path):
             with open(json_path) as f:
-                rows = json.load(f)
-            warmup_iters = _calls_per_measurement(inner)
-            # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for vote_node).
-            report[f"algorithmic_bytes_per_{unit}"] = L * sum(
-                r["bytes_per_rank"] * warmup_iters for r in rows if "bytes_per_rank" in r
-            )
-            report["rows"] = rows
-        print(f"rate={args.rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
+                loaded = json.load(f)
+            if inner[0] == "train":
+                report["train"] = loaded
+            else:
+                warmup_iters = _calls_per_measurement(inner)
+                # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for vote_node).
+                report[f"algorithmic_bytes_per_{unit}"] = L * sum(
+                    r["bytes_per_rank"] * warmup_iters for r in loaded if "bytes_per_rank" in r
+                )
+                report["rows"] = loaded
+        print(f"rate={rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
         if f"algorithmic_bytes_per_{unit}" in report:
             print(f"algorithmic bytes per {unit} of the measured calls: {report[f'algorithmic_bytes_per_{unit}']} "
                   "(plus barriers, timing all-reduces, rendezvous and TCP/IP headers)")  # fmt: skip
         return report
+
+
+def print_time_to_target(reports: list[dict]) -> None:
+    """Train runs at several rates: per method and rate, the wall time (mean over seeds) to the
+    target loss, or '-' where no seed reached it."""
+    trains = [r for r in reports if "train" in r]
+    if not trains:
+        return
+    methods = list(trains[0]["train"]["summary"])
+    first = trains[0]["train"]["runs"][0]
+    print(f"time to target, s (task={first['task']}, world_size={first['world_size']}; target: each rate's own, "
+          "adamw's final loss unless --target-loss)")  # fmt: skip
+    print(f"{'method':>16} " + " ".join(f"{r['rate']:>16}" for r in trains))
+    for method in methods:
+        cells = []
+        for r in trains:
+            summary = r["train"]["summary"].get(method, {})
+            t = summary.get("time_to_target")
+            cells.append(f"{t[0]:.1f} ({summary['reached']}/{summary['seeds']})" if t else "-")
+        print(f"{method:>16} " + " ".join(f"{c:>16}" for c in cells))
+
+
+def plot_rates(reports: list[dict], path: str) -> None:
+    """Test loss against wall time, one panel per rate, one line (mean, ±1 std band) per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trains = [r for r in reports if "train" in r]
+    fig, axes = plt.subplots(1, len(trains), figsize=(4.6 * len(trains), 4.2), sharey=True, squeeze=False)
+    for ax, report in zip(axes[0], trains):
+        for method, summary in report["train"]["summary"].items():
+            curve = summary["curve"]
+            line = ax.plot(curve["time_s"], curve["mean"], marker=".", label=method)[0]
+            if summary["seeds"] > 1:
+                lower = [m - d for m, d in zip(curve["mean"], curve["std"])]
+                upper = [m + d for m, d in zip(curve["mean"], curve["std"])]
+                ax.fill_between(curve["time_s"], lower, upper, color=line.get_color(), alpha=0.2)
+        target = report["train"].get("target_loss")
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{report['rate']}")
+        ax.set_xlabel("wall time, s")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("test loss")
+    axes[0][0].legend(fontsize=8)
+    first = trains[0]["train"]["runs"][0]
+    fig.suptitle(f"{first['task']}, {first['world_size']} ranks: test loss against wall time by link rate (dashed: target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {os.path.abspath(path)}")
 
 
 def _calls_per_measurement(inner: list[str]) -> int:

@@ -10,6 +10,7 @@ Each step every rank draws its own slice of the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -27,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import check_device, command_parser, network_label, positive_int
 from signmuon.benchmarks.curves import seed_summary, time_to_target
-from signmuon.benchmarks.launch import run_distributed, run_torchrun, under_torchrun
+from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_group, under_torchrun
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.optim import (
@@ -550,7 +551,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
         lr_scale=args.lr_scale,
     )  # fmt: skip
-    results = [r for seed in args.seeds for r in run(args.methods, args.world_size, dataclasses.replace(config, seed=seed), valley=args.valley)]
+    # Under torchrun one process group serves every run (making it again can hang the rendezvous).
+    with torchrun_group() if under_torchrun() else contextlib.nullcontext():
+        results = [
+            r for seed in args.seeds
+            for r in run(args.methods, args.world_size, dataclasses.replace(config, seed=seed), valley=args.valley)
+        ]  # fmt: skip
     by_method = _by_method(results)
     target = args.target_loss
     if target is None and "adamw" in by_method:  # the quality the full-precision baseline reaches

@@ -117,6 +117,23 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
     assert not any(line.startswith(prefix) for line in leftovers.splitlines()), "namespaces left behind"
 
 
+def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path):
+    # Two rates, two methods, a few steps, in namespaces (root and iproute2, as above): one
+    # training run per rate, a time-to-target row per method and a panel per rate.
+    from signmuon.benchmarks import netem
+
+    out = netem.main(["--world-size", "2", "--rates", "100mbit", "1gbit", "--plot", str(tmp_path / "rates.png"), "--",
+                      "train", "--steps", "6", "--eval-every", "3", "--methods", "adamw", "signsgd_mv"])  # fmt: skip
+    reports = out["reports"]
+    assert [r["rate"] for r in reports] == ["100mbit", "1gbit"]
+    for report in reports:
+        runs = report["train"]["runs"]
+        assert [r["method"] for r in runs] == ["adamw", "signsgd_mv"] and all(r["world_size"] == 2 for r in runs)
+        assert report["train"]["summary"]["adamw"]["reached"] == 1, "adamw reaches its own final loss"
+        assert max(report["tx_bytes_per_rank"]) > 0
+    assert (tmp_path / "rates.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_emulated_nodes_count_the_bytes_between_them():
     # Two namespaces of two ranks each: the node-aware vote's ranks talk over loopback inside a
     # node, so the shaped links carry only the between-node votes, about what the formula says.
@@ -153,6 +170,10 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["kernels", "--sizes", "0"], "must be at least one entry"),
         (["ddp-step", "--world-size", "-2"], "-2 must be at least 1"),
         (["sweep", "--methods", "adamw", "lion"], "unknown ['lion']"),
+        (["netem", "--rates", "1gbit", "fast", "--", "train"], "give it in tc's units"),
+        (["netem", "--plot", "x.png", "--", "bandwidth"], "--plot draws training curves"),
+        (["train", "--size", "medium"], "--size medium is charlm's option"),
+        (["train", "--seeds", "1", "1"], "each seed once"),
         (["sweep", "--lr-scales", "1", "-2"], "each must be a positive number"),
         (["ns-precision", "--ranks", "-1"], "each must be >= 0"),
     ],
