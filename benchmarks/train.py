@@ -160,6 +160,28 @@ def _ddp_powersgd(rank: int, make_opt) -> Method:
     return build
 
 
+def _ddp_half(dtype: torch.dtype, make_opt) -> Method:
+    """torch's fp16 / bf16 compression hook (a half-precision all-reduce) with ``make_opt``."""
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.fp16_compress_hook if dtype == torch.float16 else default_hooks.bf16_compress_hook
+        model = _ddp(net)
+        stats = CommStats()
+        world_size = dist.get_world_size()
+
+        def counting_hook(state, bucket):  # unannotated: DDP checks annotations as objects
+            nbytes = 2 * (world_size - 1) * bucket.buffer().numel() * 2 // world_size  # ring, 2-byte entries
+            stats.add(nbytes, nbytes)
+            return hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+        return Setup(model=model, optimizer=make_opt(model.parameters(), config.lr_scale), stats=stats)
+
+    return build
+
+
 def _vote(config: TrainConfig, node_aware: bool) -> VoteConfig:
     if node_aware:
         return VoteConfig(fault=_fault(config), hierarchical=True, ranks_per_node=config.ranks_per_node)
@@ -213,6 +235,8 @@ METHODS: dict[str, Method] = {
     "signum_mv_optim": _ddp_sign_muon(optimizer=SignumMV, lr=1e-3, momentum=0.9),
     "muon_adamw": _ddp_allreduce(lambda p, s: MuonWithAdamW(p, lr=0.02 * s, adamw_lr=2e-3 * s), routed=True),
     "powersgd_adamw": _ddp_powersgd(4, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "fp16_adamw": _ddp_half(torch.float16, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "bf16_adamw": _ddp_half(torch.bfloat16, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
     "signmuon": _ddp_sign_muon(lr=2e-3),
     "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
     # Per-layer step sizes: the SignMuon paper's lr/sqrt(fan_in), and Muon's own lr kept.
