@@ -219,7 +219,12 @@ def _trainer(rank, world_size, tmp, deepspeed):
                        "gradient_clipping": "auto", "zero_optimization": {"stage": 0}} if deepspeed else None,
         )  # fmt: skip
         trainer = SignTrainer(model=model, args=args, train_dataset=_Tokens(), sign_optimizer=spec, optimizers=optimizers)
+        probe = torch.stack([_Tokens()[i]["input_ids"] for i in range(8)])
+        with torch.no_grad():
+            before = model(input_ids=probe, labels=probe).loss.item()
         result = trainer.train()
+        with torch.no_grad():
+            after = model(input_ids=probe, labels=probe).loss.item()
         opt = trainer.optimizer
         while not hasattr(opt, "comm_state"):
             opt = opt.optimizer
@@ -227,7 +232,7 @@ def _trainer(rank, world_size, tmp, deepspeed):
         return dict(
             params=[p.detach().clone() for p in model.parameters()], loss=result.training_loss, calls=opt.comm_state.stats.calls,
             sent=opt.comm_state.stats.bytes_sent, allreduce=getattr(engine, "enable_backward_allreduce", None),
-            type=type(opt).__name__, lr=opt.param_groups[0]["initial_lr"],
+            type=type(opt).__name__, lr=opt.param_groups[0]["initial_lr"], losses=(before, after),
         )  # fmt: skip
 
     spec = {"type": "SignumMV", "params": {"momentum": 0.9}}
@@ -249,6 +254,7 @@ def test_hf_trainer_builds_our_optimizer_and_votes(tmp_path, deepspeed):
         clipped, unclipped = out["clipped"], out["unclipped"]
         assert clipped["type"] == "SignumMV" and clipped["lr"] == 0.01
         assert clipped["calls"] >= STEPS and clipped["sent"] > 0, "the vote ran"
+        assert clipped["losses"][1] < clipped["losses"][0], f"loss goes down: {clipped['losses']}"
         for a, b in zip(clipped["params"], unclipped["params"]):
             assert torch.equal(a, b), "max_grad_norm changed the update"
         if deepspeed:
