@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from .sign_muon import parameter_path
 
 __all__ = ["MuonWithAdamW"]
 
@@ -52,7 +51,8 @@ class MuonWithAdamW:
             group = item if isinstance(item, dict) else {"params": [item], "use_muon": None}
             for p in group["params"]:
                 use_muon = group.get("use_muon")
-                is_matrix = p.dim() == 2 and parameter_path(p, None, "adamw") == "matrix" if use_muon is None else use_muon
+                # torch.optim.Muon takes 2-D parameters only: conv kernels stay on AdamW here.
+                is_matrix = p.dim() == 2 and (use_muon is None or bool(use_muon))
                 (matrices if is_matrix else others).append(p)
         self.optimizers: list[torch.optim.Optimizer] = []
         if matrices:

@@ -120,3 +120,19 @@ def test_routing_puts_each_tensor_once_and_embeddings_and_head_off_the_matrix_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns about a tensor listed twice
         opt = SignMuon(groups)
+
+
+def test_muon_baseline_takes_routed_groups_of_a_conv_net():
+    """torch.optim.Muon takes 2-D parameters only: routed conv kernels go to AdamW, the hidden
+    linear layer to Muon, the head to AdamW."""
+    from signmuon.optim import MuonWithAdamW
+
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 32), nn.ReLU())
+    net.add_module("head", nn.Linear(32, 10))
+    opt = MuonWithAdamW(muon_param_groups(net))
+    muon, adamw = opt.optimizers
+    assert [tuple(p.shape) for g in muon.param_groups for p in g["params"]] == [(32, 144)]
+    assert sum(p.numel() for g in adamw.param_groups for p in g["params"]) == sum(p.numel() for p in net.parameters()) - 32 * 144
+    loss = net(torch.randn(2, 1, 8, 8)).sum()
+    loss.backward()
+    opt.step()
