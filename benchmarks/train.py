@@ -30,6 +30,7 @@ from signmuon.benchmarks.cli import check_device, command_parser, network_label,
 from signmuon.benchmarks.curves import seed_summary, time_to_target
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_group, under_torchrun
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
+from signmuon.benchmarks.tuned import SWEEPS, tuned_lr_scale
 from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
 from signmuon.optim import (
     DPPFAverager,
@@ -69,7 +70,11 @@ class TrainConfig:
     ranks_per_node: int | None = None
     """L for the node-aware (``*_node``) methods; None reads torchrun's LOCAL_WORLD_SIZE."""
     lr_scale: float = 1.0
-    """Multiplies every learning rate of the method (the learning-rate sweep's knob)."""
+    """Multiplies every learning rate of the method (the learning-rate sweep's knob), on top of
+    the tuned factor when ``tuned_lr``."""
+    tuned_lr: bool = True
+    """Start from the factor the learning-rate sweep chose for this task and method
+    (``benchmarks/tuned.py``); False: the method's default learning rate."""
     size: str = "small"
     """charlm's model size (``small``, ``medium``: about 14M parameters)."""
     clip_grad_norm: float | None = None
@@ -273,7 +278,9 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
-    setup = METHODS[method](task.make_model().to(device), config)
+    tuned = tuned_lr_scale(task.name if config.size == "small" else "", method) if config.tuned_lr else None
+    lr_scale = config.lr_scale * (tuned if tuned is not None else 1.0)
+    setup = METHODS[method](task.make_model().to(device), dataclasses.replace(config, lr_scale=lr_scale))
     model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
@@ -323,6 +330,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
         "seed": config.seed,
+        "lr_scale": lr_scale,
+        "lr_tuned": tuned is not None,
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
         "step_ms": 1e3 * statistics.median(step_times),
@@ -474,6 +483,11 @@ def _target_cell(hit: tuple[float, int] | None) -> tuple[str, str]:
     return ("-", "-") if hit is None else (f"{hit[0]:.1f}", str(hit[1]))
 
 
+def _lr_cell(result: dict) -> str:
+    """The factor on the method's default learning rate; '*' marks one the sweep tuned."""
+    return f"{result.get('lr_scale', 1.0):g}" + ("*" if result.get("lr_tuned") else "")
+
+
 def print_table(results: list[dict], target: float | None = None) -> None:
     """One seed: a row per method; with ``target``, the wall time and steps to reach it."""
     base = next((r["bytes_per_rank"] for r in results if r["method"] == "adamw"), None)
@@ -484,7 +498,7 @@ def print_table(results: list[dict], target: float | None = None) -> None:
               f"steps={first['log'][-1]['step']} seed={first.get('seed', 0)}"
               + (f" target loss={target:.4f}" if target is not None else ""))  # fmt: skip
     print(
-        f"{'method':>16} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
+        f"{'method':>16} {'lr x':>6} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
         + f"{'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} {'step ms':>8} {'Inv.MV':>7}"
         + (f" {'s to target':>12} {'steps':>6}" if target is not None else "")
     )
@@ -498,7 +512,7 @@ def print_table(results: list[dict], target: float | None = None) -> None:
             seconds, steps = _target_cell(time_to_target(r["log"], target))
             reach = f" {seconds:>12} {steps:>6}"
         print(
-            f"{r['method']:>16} {r['test_acc']:>9.3f} {worker:>10} {perplexity}{r['rounds']:>7} "
+            f"{r['method']:>16} {_lr_cell(r):>6} {r['test_acc']:>9.3f} {worker:>10} {perplexity}{r['rounds']:>7} "
             f"{r['bytes_per_rank'] / 1e6:>13.3f} {ratio:>9} {r['step_ms']:>8.2f} {inv_mv:>7}{reach}"
         )
 
@@ -510,10 +524,11 @@ def print_summary(summaries: dict[str, dict], results: list[dict], target: float
     print(f"task={first['task']} world_size={first['world_size']} network={network_label()} "
           f"steps={first['log'][-1]['step']} seeds={summaries[first['method']]['seeds']}"
           + (f" target loss={target:.4f}" if target is not None else ""))  # fmt: skip
-    print(f"{'method':>16} {'test loss':>17} {'MB sent/rank':>13} {'step ms':>15}"
+    print(f"{'method':>16} {'lr x':>6} {'test loss':>17} {'MB sent/rank':>13} {'step ms':>15}"
           + (f" {'reached':>8} {'s to target':>15} {'steps':>13}" if target is not None else ""))  # fmt: skip
     for method, s in summaries.items():
-        row = (f"{method:>16} {s['final'][0]:>8.4f} ± {s['final'][1]:<6.4f} {s['bytes_per_rank'][0] / 1e6:>13.3f} "
+        lr = _lr_cell(next(r for r in results if r["method"] == method))
+        row = (f"{method:>16} {lr:>6} {s['final'][0]:>8.4f} ± {s['final'][1]:<6.4f} {s['bytes_per_rank'][0] / 1e6:>13.3f} "
                f"{s['step_ms'][0]:>7.2f} ± {s['step_ms'][1]:<5.2f}")  # fmt: skip
         if target is not None:
             t, n = s["time_to_target"], s["steps_to_target"]
@@ -546,6 +561,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
     parser.add_argument("--lr-scale", type=float, default=1.0,
                         help="multiply every method's learning rates (default: %(default)s; see the sweep command)")
+    parser.add_argument("--untuned", dest="tuned_lr", action="store_false",
+                        help="each method's default learning rate instead of the sweep's tuned one (benchmarks/tuned.py)")
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
@@ -573,7 +590,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         steps=args.steps, batch_size=args.batch_size, byzantine=args.byzantine, size=args.size,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
-        lr_scale=args.lr_scale,
+        lr_scale=args.lr_scale, tuned_lr=args.tuned_lr,
     )  # fmt: skip
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():
@@ -592,6 +609,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             print_summary(summaries, results, target)
         print_time_split(results)
+        print("lr x: factor on the method's default learning rate; * = tuned by the learning-rate sweep "
+              f"(benchmarks/results/{SWEEPS.get(results[0]['task'].split('-')[0], 'none')})")  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -142,8 +142,11 @@ class SignMuon(torch.optim.Optimizer):
             moves every entry by ``lr``; ``"fan_in"`` by ``lr / sqrt(fan_in)`` (the SignMuon
             reference's per-layer rule; fan_in = columns of the matrix view); ``"muon"`` by
             ``lr * MUON_UPDATE_RMS / sqrt(fan_in)``, the entry-RMS of ``torch.optim.Muon``'s
-            update at the same ``lr`` (its default ``adjust_lr_fn``), so a Muon user keeps their
-            learning rate. Non-matrix parameters always move by ``lr`` (or AdamW's step).
+            update at the same ``lr`` (its default ``adjust_lr_fn``): the same step size for a
+            Muon user's learning rate, though not the same quality (a sign step moves every
+            entry by its full size; on charlm Muon's lr kept this way ended 5% behind Muon).
+            Default ``"global"``: tuned, it beat ``"fan_in"`` on charlm (1.889 vs 2.052 final
+            loss, 3 seeds) and matched Muon. Non-matrix parameters move by ``lr`` (or AdamW's step).
         ns_dtype: ``"float32"`` (default) or ``"bfloat16"``, Newton–Schulz's compute dtype.
             bfloat16 is faster on GPUs but flips 5–9% of the voted signs of low-rank momentum
             (see :func:`newton_schulz`).

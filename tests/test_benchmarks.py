@@ -275,3 +275,17 @@ def test_seed_summary_aggregates_curves_and_time_to_target():
     assert s["steps_to_target"][0] == 15.0
     with pytest.raises(ValueError, match="different steps"):
         seed_summary([runs[0], {**runs[1], "log": _curve([3.0], dt=1.0)}])
+
+
+def test_tuned_learning_rates_are_what_the_stored_sweeps_chose():
+    """benchmarks/tuned.py and the sweep results it cites agree: each factor is the grid's argmin."""
+    import pathlib
+
+    from signmuon.benchmarks.sweep import aggregate
+    from signmuon.benchmarks.tuned import SWEEPS, TUNED_LR_SCALES
+
+    results = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    for task, files in SWEEPS.items():
+        grid = [row for name in files.split(", ") for row in json.loads((results / name).read_text())["grid"]]
+        chosen = {method: v["tuned_scale"] for method, v in aggregate(grid).items()}
+        assert TUNED_LR_SCALES[task] == chosen, task
