@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-
 __all__ = ["MuonWithAdamW"]
 
 
