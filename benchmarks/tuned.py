@@ -21,7 +21,13 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
         "signum_mv": 4.0,  # 2.035 ± 0.020 (x2 2.060, x8 2.122)
         "signsgd_mv": 8.0,  # 2.246 ± 0.031 (x4 2.289, x16 2.294)
     },
-    "digits": {},
+    "digits": {
+        "adamw": 2.0,  # 0.057 ± 0.012, accuracy 0.982 ± 0.011
+        "muon_adamw": 0.5,  # 0.060 ± 0.012, accuracy 0.979 ± 0.002
+        "signmuon": 0.5,  # 0.050 ± 0.019, accuracy 0.988 ± 0.003
+        "signum_mv": 1.0,  # 0.085 ± 0.016, accuracy 0.974 ± 0.009
+        "signsgd_mv": 2.0,  # 0.151 ± 0.006, accuracy 0.959 ± 0.011
+    },
 }
 SWEEPS = {
     "charlm": "2026-12-03-sweep-charlm.json, 2026-12-03-sweep-charlm-wider.json",
