@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot and inner[:1] != ["train"]:
         parser.error("--plot draws training curves: give it with '-- train ...'")
     reports = [_run_once(args, inner, rate) for rate in rates]
-    if inner[0] == "train" and len(rates) > 0:
+    if inner[0] == "train":
         print_time_to_target(reports)
         if args.plot:
             plot_rates(reports, args.plot)
@@ -198,9 +198,7 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
     """The inner command across namespaces at one rate; its report."""
     with tempfile.TemporaryDirectory() as tmp:
         json_path = os.path.join(tmp, "rows.json")
-        if inner[0] == "bandwidth" and "--json" not in inner:
-            inner = inner + ["--json", json_path, "--no-progress"]
-        if inner[0] == "train" and "--json" not in inner:
+        if inner[0] in ("bandwidth", "train") and "--json" not in inner:
             inner = inner + ["--json", json_path, "--no-progress"]
         with EmulatedNetwork(args.world_size, rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
             before = net.tx_bytes()
