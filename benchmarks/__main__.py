@@ -10,6 +10,7 @@ Commands:
   deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
   ns-time         Newton–Schulz time per matrix size (what SignMuon adds to a step)
   sweep           learning-rate sweep: methods x lr factors x seeds, the tuned factor per method
+  dppf-sweep      DPPF against local SGD: a pull/push grid per averaging period, over seeds
   ns-precision    signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost
 """
 
@@ -29,6 +30,7 @@ COMMANDS = {
     "ns-time": "ns_time",
     "ns-precision": "ns_precision",
     "sweep": "sweep",
+    "dppf-sweep": "dppf_sweep",
 }
 DEMO = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon",
         "dppf_8", "--plot", "demo_curves.png"]  # fmt: skip

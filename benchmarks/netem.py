@@ -234,7 +234,8 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
 
 def print_time_to_target(reports: list[dict]) -> None:
     """Train runs at several rates: per method and rate, the wall time (mean over seeds) to the
-    target loss, or '-' where no seed reached it."""
+    target loss, the seeds that reached it and, where adamw ran, the ratio to adamw's time at the
+    same rate; '-' where no seed reached it."""
     trains = [r for r in reports if "train" in r]
     if not trains:
         return
@@ -242,14 +243,16 @@ def print_time_to_target(reports: list[dict]) -> None:
     first = trains[0]["train"]["runs"][0]
     print(f"time to target, s (task={first['task']}, world_size={first['world_size']}; target: each rate's own, "
           "adamw's final loss unless --target-loss)")  # fmt: skip
-    print(f"{'method':>16} " + " ".join(f"{r['rate']:>16}" for r in trains))
+    print(f"{'method':>16} " + " ".join(f"{r['rate']:>23}" for r in trains))
     for method in methods:
         cells = []
         for r in trains:
             summary = r["train"]["summary"].get(method, {})
             t = summary.get("time_to_target")
-            cells.append(f"{t[0]:.1f} ({summary['reached']}/{summary['seeds']})" if t else "-")
-        print(f"{method:>16} " + " ".join(f"{c:>16}" for c in cells))
+            adamw = r["train"]["summary"].get("adamw", {}).get("time_to_target")
+            ratio = f" {t[0] / adamw[0]:.2f}x" if t and adamw and adamw[0] > 0 else ""
+            cells.append(f"{t[0]:.1f} ({summary['reached']}/{summary['seeds']}){ratio}" if t else "-")
+        print(f"{method:>16} " + " ".join(f"{c:>23}" for c in cells))
 
 
 def plot_rates(reports: list[dict], path: str) -> None:

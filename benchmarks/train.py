@@ -79,6 +79,9 @@ class TrainConfig:
     """charlm's model size (``small``, ``medium``: about 14M parameters)."""
     clip_grad_norm: float | None = None
     """``clip_grad_norm_(max_norm)`` before each step, as nanoGPT does (None: no clipping)."""
+    pull_push: tuple[float, float] | None = None
+    """(pull, push) for the DPPF methods instead of their own (the pull/push sweep's knob);
+    local SGD (pull 1, push 0) keeps its own."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -223,9 +226,12 @@ def _ddp_sign_muon(node_aware: bool = False, optimizer: type[SignMuon] = SignMuo
 def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     """Local SGD with momentum; pull=1, push=0 is plain periodic averaging, else DPPF."""
 
+    is_dppf = (pull, push) != (1.0, 0.0)
+
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = _ddp(net)
-        averager = DPPFAverager(period, pull=pull, push=push, module=net)
+        pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
+        averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net)
         opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05 * config.lr_scale, momentum=0.9), averager)
         return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
 

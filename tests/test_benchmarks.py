@@ -117,7 +117,7 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
     assert not any(line.startswith(prefix) for line in leftovers.splitlines()), "namespaces left behind"
 
 
-def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path):
+def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path, capsys):
     # Two rates, two methods, a few steps, in namespaces (root and iproute2, as above): one
     # training run per rate, a time-to-target row per method and a panel per rate.
     from signmuon.benchmarks import netem
@@ -132,6 +132,9 @@ def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path):
         assert report["train"]["summary"]["adamw"]["reached"] == 1, "adamw reaches its own final loss"
         assert max(report["tx_bytes_per_rank"]) > 0
     assert (tmp_path / "rates.png").read_bytes()[:4] == b"\x89PNG"
+    lines = capsys.readouterr().out.splitlines()
+    adamw_row = next(line for line in lines if line.strip().startswith("adamw ") and "(1/1)" in line)
+    assert adamw_row.count("(1/1) 1.00x") == 2, "adamw's time to target is the 1.00x reference at each rate"
 
 
 def test_emulated_nodes_count_the_bytes_between_them():
@@ -176,6 +179,9 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["train", "--seeds", "1", "1"], "each seed once"),
         (["sweep", "--lr-scales", "1", "-2"], "each must be a positive number"),
         (["ns-precision", "--ranks", "-1"], "each must be >= 0"),
+        (["dppf-sweep", "--pulls", "1.5"], "each must lie in [0, 1]"),
+        (["dppf-sweep", "--pushes", "-0.1"], "each must be finite and >= 0"),
+        (["dppf-sweep", "--periods", "16"], "invalid choice: 16"),
     ],
 )  # fmt: skip
 def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, message, capsys):
@@ -220,7 +226,7 @@ def test_sweep_runs_each_method_scale_and_seed(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
-                                     "ns-precision", "sweep"])  # fmt: skip
+                                     "ns-precision", "sweep", "dppf-sweep"])  # fmt: skip
 def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     from signmuon.benchmarks.__main__ import main
 
@@ -231,6 +237,38 @@ def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     assert out.startswith(f"usage: signmuon-bench {command} ")
     assert "``" not in out and ":class:" not in out
     assert "(default: " in out
+
+
+def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():
+    from signmuon.benchmarks.dppf_sweep import aggregate
+
+    def row(period, pull, push, seed, loss, acc):
+        return {"period": period, "pull": pull, "push": push, "seed": seed, "test_loss": loss, "test_acc": acc,
+                "worker_acc": acc, "mean_distance": push}  # fmt: skip
+
+    rows = [
+        row(8, 1.0, 0.0, 0, 1.00, 0.90), row(8, 1.0, 0.0, 1, 1.10, 0.92),  # local SGD: loss 1.05 ± 0.07
+        row(8, 0.5, 0.2, 0, 0.80, 0.95), row(8, 0.5, 0.2, 1, 0.82, 0.96),  # better beyond the spread
+        row(8, 0.5, 0.0, 0, 1.00, 0.91), row(8, 0.5, 0.0, 1, 1.20, 0.93),  # overlaps
+        row(32, 1.0, 0.0, 0, 0.50, 0.99), row(32, 0.5, 0.2, 0, 0.90, float("nan")),  # worse; NaN acc is worse
+    ]  # fmt: skip
+    by_key = {(e["period"], e["pull"], e["push"]): e for e in aggregate(rows)}
+    assert by_key[(8, 1.0, 0.0)]["test_loss"] == (pytest.approx(1.05), pytest.approx(0.1 / 2**0.5))
+    assert by_key[(8, 1.0, 0.0)]["loss_beyond_spread"] is None, "local SGD is the reference"
+    assert (by_key[(8, 0.5, 0.2)]["loss_beyond_spread"], by_key[(8, 0.5, 0.2)]["acc_beyond_spread"]) == (1, 1)
+    assert (by_key[(8, 0.5, 0.0)]["loss_beyond_spread"], by_key[(8, 0.5, 0.0)]["acc_beyond_spread"]) == (0, 0)
+    assert (by_key[(32, 0.5, 0.2)]["loss_beyond_spread"], by_key[(32, 0.5, 0.2)]["acc_beyond_spread"]) == (-1, -1)
+
+
+def test_dppf_sweep_trains_local_sgd_and_each_pull_push(tmp_path):
+    from signmuon.benchmarks import dppf_sweep
+
+    report = dppf_sweep.main(["--periods", "8", "--pulls", "1", "--pushes", "0", "0.5", "--seeds", "0",
+                              "--world-size", "2", "--steps", "9", "--json", str(tmp_path / "d.json")])  # fmt: skip
+    runs = {(r["pull"], r["push"]): r for r in report["runs"]}
+    assert set(runs) == {(1.0, 0.0), (1.0, 0.5)} and all(r["rounds"] >= 1 for r in runs.values())
+    assert runs[(1.0, 0.0)]["test_loss"] != runs[(1.0, 0.5)]["test_loss"], "the push reaches the averager"
+    assert json.loads((tmp_path / "d.json").read_text())["summary"][0]["period"] == 8
 
 
 def test_demo_help_is_its_own(capsys):
