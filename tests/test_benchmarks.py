@@ -327,3 +327,33 @@ def test_tuned_learning_rates_are_what_the_stored_sweeps_chose():
         grid = [row for name in files.split(", ") for row in json.loads((results / name).read_text())["grid"]]
         chosen = {method: v["tuned_scale"] for method, v in aggregate(grid).items()}
         assert TUNED_LR_SCALES[task] == chosen, task
+
+
+def test_lr_from_muon_kept_muons_charlm_loss_in_the_stored_sweeps():
+    """The documented conversion is what the stored charlm sweeps support: for every Muon
+    learning rate swept (with its seeds), SignMuon at lr_from_muon(η) ends within 1% of Muon+AdamW
+    at η. A different ratio (e.g. 1/10) fails this on the same data."""
+    import pathlib
+    import statistics
+
+    from signmuon.optim import lr_from_muon
+
+    muon_default, signmuon_default = 0.02, 2e-3  # train's muon_adamw and signmuon defaults (factor 1)
+    results = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    seed_sets = [["2026-12-03-sweep-charlm.json"],
+                 ["2026-12-03-sweep-charlm-conversion-1.json", "2026-12-03-sweep-charlm-conversion-2.json"]]  # fmt: skip
+    pairs = 0
+    for files in seed_sets:
+        losses: dict[tuple[str, float], list[float]] = {}
+        for name in files:
+            for row in json.loads((results / name).read_text())["grid"]:
+                losses.setdefault((row["method"], round(row["lr_scale"], 6)), []).append(row["test_loss"])
+        for (method, scale), muon in losses.items():
+            sign_scale = round(lr_from_muon(muon_default * scale) / signmuon_default, 6)
+            if method != "muon_adamw" or ("signmuon", sign_scale) not in losses:
+                continue
+            sign = losses[("signmuon", sign_scale)]
+            assert len(sign) == len(muon) == 3
+            assert statistics.fmean(sign) <= 1.01 * statistics.fmean(muon), (scale, sign, muon)
+            pairs += 1
+    assert pairs >= 6, "the stored sweeps cover Muon learning rates 0.01..0.08"

@@ -17,7 +17,15 @@ from signmuon.comm_hooks import (
     vote_packed,
 )
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
-from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV, inverse_mean_valley, newton_schulz
+from signmuon.optim import (
+    DPPFAverager,
+    SignMuon,
+    SignSGDMV,
+    SignumMV,
+    inverse_mean_valley,
+    lr_from_muon,
+    newton_schulz,
+)
 
 
 def _params():
@@ -33,6 +41,8 @@ _loss = nn.functional.cross_entropy
 CASES = [
     # (what, call, exception, words the message must contain)
     ("pack_signs tensor", lambda: pack_signs([1.0]), TypeError, "tensor"),
+    ("lr_from_muon zero", lambda: lr_from_muon(0.0), ValueError, "muon_lr"),
+    ("lr_from_muon nan", lambda: lr_from_muon(float("nan")), ValueError, "finite"),
     ("pack_signs dtype", lambda: pack_signs(torch.ones(3, dtype=torch.int32)), ValueError, "dtype"),
     ("unpack_signs packed dtype", lambda: unpack_signs(torch.zeros(1, dtype=torch.int8), 8), ValueError, "positive"),
     ("unpack_signs numel", lambda: unpack_signs(torch.zeros(1, dtype=torch.uint8), 9), ValueError, "numel"),
