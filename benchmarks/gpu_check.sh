@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a single NVIDIA GPU (under 9 minutes):
+# One prepared check for a machine with a single NVIDIA GPU (under 11 minutes):
 # the Triton kernels bit for bit against the references on CUDA tensors, kernel throughput
 # vs memcpy (Triton and the torch fallback; pack/unpack GB/s against HBM), a vote through the
 # collective on CUDA, Newton–Schulz: signs flipped against float64 and time per call in float32
 # (SignMuon's default) and bfloat16, per size and momentum rank, and single-GPU charlm
-# throughput (step time) of SignMuon against AdamW.
+# throughput (step time) of SignMuon against AdamW, small and medium (the 14M GPT: how long a
+# step's compute takes on a GPU, against the 0.69 s its fp32 all-reduce needs at 1 Gbit/s on 4
+# ranks, the ratio the CPU time-to-target runs cannot show).
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +66,8 @@ PY
   echo '```'
   timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --device cuda --world-size 1 --steps 300 \
     --eval-every 300 --no-progress --methods adamw signmuon
+  timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --size medium --device cuda --world-size 1 \
+    --steps 100 --eval-every 100 --no-progress --methods adamw signmuon
   echo '```'
 } | tee "$report"
 echo "report: $report"
