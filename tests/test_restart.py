@@ -39,7 +39,10 @@ def test_killed_rank_relaunched_resumes_bit_identically(tmp_path):
     uninterrupted = _launch(whole, 2)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     runs = _relaunch_loop(killed, 2, "--die-at", "7")
-    assert [r.returncode != 0 for r in runs] == [True, False], [r.stderr[-2000:] for r in runs]
+    # The recipe's contract: the killed launch fails, a relaunch within the bound ends cleanly.
+    # (Once in CI a gloo abort failed the first relaunch too, and the next one finished; the
+    # loop exists for exactly that, and the states below must still be bit-identical.)
+    assert runs[0].returncode != 0 and runs[-1].returncode == 0, [r.stderr[-2000:] for r in runs]
     assert (killed / "died").exists(), "rank 1 really was killed"
     for rank in range(2):
         a, b = _final(whole, rank), _final(killed, rank)
