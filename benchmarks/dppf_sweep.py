@@ -20,12 +20,13 @@ import sys
 
 from signmuon.benchmarks.cli import command_parser, positive_int
 from signmuon.benchmarks.curves import mean_std
+from signmuon.benchmarks.tasks import CHARLM_SIZES
+from signmuon.benchmarks.train import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
 from signmuon.benchmarks.train import TASKS, TrainConfig, run
 
 __all__ = ["aggregate", "main", "PERIODS"]
 
 PERIODS = (8, 32)  # the periods train has local_sgd_P / dppf_P methods for
-LOCAL_SGD = (1.0, 0.0)  # (pull, push) of plain periodic averaging
 METRICS = ("test_loss", "test_acc", "worker_acc", "mean_distance")
 
 
@@ -81,7 +82,7 @@ def print_summary(summary: list[dict], task: str, world_size: int, steps: int) -
 def main(argv: list[str] | None = None) -> dict:
     parser = command_parser("dppf-sweep", __doc__)
     parser.add_argument("--task", default="digits", choices=sorted(TASKS), help="(default: %(default)s)")
-    parser.add_argument("--size", default="small", choices=["small", "medium"], help="charlm's model size (default: %(default)s)")
+    parser.add_argument("--size", default="small", choices=sorted(CHARLM_SIZES), help="charlm's model size (default: %(default)s)")
     parser.add_argument("--periods", nargs="+", type=int, choices=PERIODS, default=list(PERIODS), help="(default: %(default)s)")
     parser.add_argument("--pulls", nargs="+", type=float, default=[0.5, 1.0], help="(default: %(default)s)")
     parser.add_argument("--pushes", nargs="+", type=float, default=[0.0, 0.05, 0.2], help="(default: %(default)s)")

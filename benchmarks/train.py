@@ -223,10 +223,13 @@ def _ddp_sign_muon(node_aware: bool = False, optimizer: type[SignMuon] = SignMuo
     return build
 
 
+LOCAL_SGD_PULL_PUSH = (1.0, 0.0)  # (pull, push) of plain periodic averaging
+
+
 def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     """Local SGD with momentum; pull=1, push=0 is plain periodic averaging, else DPPF."""
 
-    is_dppf = (pull, push) != (1.0, 0.0)
+    is_dppf = (pull, push) != LOCAL_SGD_PULL_PUSH
 
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = _ddp(net)
