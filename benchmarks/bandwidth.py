@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from signmuon.benchmarks.cli import command_parser, positive_int, size
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
-from signmuon.comm_hooks import CommStats, NodeVoteWork, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
+from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
+from signmuon.comm_hooks.vote import NodeVoteWork
 from signmuon.integrations.deepspeed import SignCompressedBackend
 
 METHODS = (

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 
 import torch
 
-__all__ = ["command_parser", "network_label", "positive_int", "size", "check_device"]
+__all__ = ["command_parser", "network_label", "positive_int", "size", "check_device", "write_report"]
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -76,3 +78,13 @@ def command_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
 def network_label() -> str:
     """The emulated link a run is under (``netem`` sets it for the ranks it starts), or ``loopback``."""
     return os.environ.get("SIGNMUON_NETEM_RATE", "loopback")
+
+
+def write_report(command: str, argv: list[str] | None, fields: dict, path: str | None) -> dict:
+    """The JSON report of a benchmark command: the command line that made it, then ``fields``;
+    written to ``path`` when given. Returned either way."""
+    report = {"command": f"signmuon-bench {command} " + " ".join(sys.argv[1:] if argv is None else argv), **fields}
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report

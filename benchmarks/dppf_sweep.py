@@ -14,15 +14,15 @@ its mean ± std interval lies wholly on the better side of local SGD's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 
-from signmuon.benchmarks.cli import command_parser, positive_int
+from signmuon.benchmarks.cli import command_parser, positive_int, write_report
 from signmuon.benchmarks.curves import mean_std
 from signmuon.benchmarks.tasks import CHARLM_SIZES
-from signmuon.benchmarks.train import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
-from signmuon.benchmarks.train import TASKS, TrainConfig, run
+from signmuon.benchmarks.methods import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
+from signmuon.benchmarks.methods import TrainConfig
+from signmuon.benchmarks.tasks import TASKS
+from signmuon.benchmarks.train import run
 
 __all__ = ["aggregate", "main", "PERIODS"]
 
@@ -119,13 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "rounds": result["rounds"]})  # fmt: skip
     summary = aggregate(rows)
     print_summary(summary, args.task if args.size == "small" else f"{args.task}-{args.size}", args.world_size, args.steps)
-    report = {"command": "signmuon-bench dppf-sweep " + " ".join(sys.argv[1:] if argv is None else argv),
-              "task": args.task, "size": args.size, "world_size": args.world_size, "steps": args.steps,
-              "runs": rows, "summary": summary}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    fields = {"task": args.task, "size": args.size, "world_size": args.world_size, "steps": args.steps, "runs": rows,
+              "summary": summary}  # fmt: skip
+    return write_report("dppf-sweep", argv, fields, args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import time
 import torch
 
 from signmuon.benchmarks.cli import check_device, command_parser, positive_int, size
-from signmuon.comm_hooks import SignSegments, kernels_for
+from signmuon.comm_hooks import SignSegments
+from signmuon.comm_hooks.kernels import kernels_for
 from signmuon.comm_hooks.kernels.layout import words_for
 
 

@@ -10,13 +10,10 @@ the lowest mean. The JSON keeps the whole grid and the command line.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import statistics
-import sys
 
-from signmuon.benchmarks.cli import command_parser, positive_int
+from signmuon.benchmarks.cli import command_parser, positive_int, write_report
 from signmuon.benchmarks.train import METHODS, TASKS, TrainConfig, run
 
 __all__ = ["aggregate", "main"]
@@ -90,13 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "test_acc": final["test_acc"], "step_ms": result["step_ms"]})  # fmt: skip
     summary = aggregate(grid)
     print_summary(summary, args.task, args.world_size, args.steps)
-    report = {"command": "signmuon-bench sweep " + " ".join(sys.argv[1:] if argv is None else argv), "task": args.task,
-              "world_size": args.world_size, "steps": args.steps, "grid": grid,
+    fields = {"task": args.task, "world_size": args.world_size, "steps": args.steps, "grid": grid,
               "summary": {m: {**v, "scales": {str(s): c for s, c in v["scales"].items()}} for m, v in summary.items()}}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return write_report("sweep", argv, fields, args.json)
 
 
 if __name__ == "__main__":

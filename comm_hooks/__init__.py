@@ -1,96 +1,63 @@
-"""Communication: sign bit packing, the majority-vote collective, DDP hooks and their state."""
+"""Communication: the majority-vote collective, the DDP hooks and their state.
 
-from .backward_reducer import BackwardReducer, ReadyBucket
-from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
-from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, VoteConfig
-from .consistency import (
+Layers, each importing only those before it: ``kernels`` (pack, vote, unpack per device),
+``dist`` (process-group basics, statistics, errors, the mean all-reduce), ``vote`` (settings,
+encodings, the exchange, the collective, the node-aware schedule), then the DDP adapters in
+this folder (hook states, hooks, the backward reducer).
+"""
+
+from .allreduce import allreduce_hook, allreduce_mean
+from .backward_reducer import BackwardReducer
+from .dist import (
+    CommStats,
+    NonFiniteError,
     ReplicaDivergenceError,
     SettingsMismatchError,
+    VoteMismatchError,
     check_replicas,
-    check_same_settings,
-    settings_digest,
-    tensor_fingerprint,
 )
-from .encoding import SignEncoding
-from .exchange import CommStats, ExchangeWork, NonFiniteError, VoteMismatchError, agree, gather_rows, group_size_rank
-from .faults import ByzantineFault
-from .hierarchy import NodeVoteWork, matrix_cost, node_mean, owners, vote_owned, world_mean
-from .kernels import kernels_for
+from .hook_state import VoteHookState
 from .kernels.layout import SignSegments
-from .packing import (
-    bits_to_bytes,
-    nonfinite_flag,
-    pack_nonzero,
-    pack_nonzero_reference,
-    pack_planes,
-    pack_planes_checked,
-    pack_signs,
-    pack_signs_reference,
-    packed_size,
-    unpack_signs,
-    unpack_signs_reference,
-)
 from .sign_muon_hook import SignMuonHookState, WorkerDirections, sign_muon_hook
-from .topology import NodeLayout, node_layout
-from .sign_vote_hook import SignVoteState, VoteHookState, allreduce_hook, allreduce_mean, sign_vote_hook
-from .vote import vote_packed, vote_reference
+from .sign_vote_hook import SignVoteState, sign_vote_hook
+from .vote import (
+    ByzantineFault,
+    NodeLayout,
+    VoteConfig,
+    VoteWork,
+    majority_vote,
+    majority_vote_async,
+    node_layout,
+    pack_signs,
+    unpack_signs,
+    vote_bytes_per_rank,
+)
 
 __all__ = [
-    "agree",
-    "ALGORITHMS",
-    "allreduce_hook",
-    "allreduce_mean",
     "BackwardReducer",
-    "bits_to_bytes",
     "ByzantineFault",
-    "check_replicas",
-    "check_same_settings",
     "CommStats",
-    "ExchangeWork",
-    "gather_rows",
-    "group_size_rank",
-    "KERNELS",
-    "kernels_for",
-    "majority_vote",
-    "majority_vote_async",
-    "matrix_cost",
-    "node_layout",
-    "node_mean",
     "NodeLayout",
-    "NodeVoteWork",
-    "NONFINITE_ACTIONS",
-    "nonfinite_flag",
     "NonFiniteError",
-    "owners",
-    "pack_nonzero",
-    "pack_nonzero_reference",
-    "pack_planes",
-    "pack_planes_checked",
-    "pack_signs",
-    "pack_signs_reference",
-    "packed_size",
-    "ReadyBucket",
     "ReplicaDivergenceError",
-    "settings_digest",
     "SettingsMismatchError",
-    "sign_muon_hook",
-    "sign_vote_hook",
-    "SignEncoding",
     "SignMuonHookState",
     "SignSegments",
     "SignVoteState",
-    "tensor_fingerprint",
-    "TIE_MODES",
-    "unpack_signs",
-    "unpack_signs_reference",
-    "vote_bytes_per_rank",
-    "vote_owned",
-    "vote_packed",
-    "vote_reference",
     "VoteConfig",
     "VoteHookState",
     "VoteMismatchError",
     "VoteWork",
     "WorkerDirections",
-    "world_mean",
+    "allreduce_hook",
+    "allreduce_mean",
+    "check_replicas",
+    "majority_vote",
+    "majority_vote_async",
+    "node_layout",
+    "pack_signs",
+    "sign_muon_hook",
+    "sign_vote_hook",
+    "unpack_signs",
+    "vote_bytes_per_rank",
 ]

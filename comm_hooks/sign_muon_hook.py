@@ -9,8 +9,9 @@ polar step, the update) runs in ``SignMuon.step()``. Register it with one call::
     model = DDP(model)
     opt.register_comm_hook(model)
 
-The math itself lives in the optimizer (``signmuon.optim``); this module only routes each
-bucket's gradients through it and through the vote collective, so neither is copied here.
+The math itself lives in the optimizer (``signmuon.optim``), reached through the
+:class:`WorkerDirections` protocol; this module only routes each bucket's gradients through it
+and through the vote collective, so neither is copied here.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -19,10 +20,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .config import VoteConfig
-from .hierarchy import vote_owned, world_mean
-from .sign_vote_hook import VoteHookState, allreduce_mean
-from .topology import NodeLayout
+from .allreduce import allreduce_mean
+from .dist import flatten, unflatten_into
+from .hook_state import VoteHookState
+from .vote import NodeLayout, VoteConfig, vote_owned, world_mean
 
 __all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
 
@@ -39,16 +40,24 @@ class WorkerDirections(Protocol):
     def owner(self, param: torch.Tensor, ranks_per_node: int) -> int:
         """The local rank that owns ``param``'s momentum in the node-aware vote (fixed per optimizer)."""
 
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps so far: the iteration counter the hook votes under."""
+
 
 class SignMuonHookState(VoteHookState):
     """State of :func:`sign_muon_hook`: the vote settings plus the optimizer owning the math.
 
     Made by ``SignMuon.register_comm_hook`` (or ``SignMuon.comm_state``), which is how the
     optimizer learns that the hook, not ``step()``, does the pre-vote part.
+
+    One iteration counter: the hook's ``iter`` is the optimizer's ``steps_taken`` plus the
+    backward passes the hook has finished since the last step (``passes``: 0 during backward, 1
+    between the last bucket and ``step()``, which checks it and sets it back to 0).
     """
 
-    __slots__ = ("optimizer",)
-    _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer",)
+    __slots__ = ("optimizer", "passes")
+    _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer", "iter")
 
     def __init__(
         self,
@@ -63,8 +72,18 @@ class SignMuonHookState(VoteHookState):
                 f"SignMuonHookState needs the SignMuon optimizer, got {type(optimizer).__name__}; "
                 "create it with opt.register_comm_hook(ddp_model)"
             )
-        super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
         self.optimizer = optimizer
+        super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
+        self.passes = 0
+
+    @property
+    def iter(self) -> int:
+        return self.optimizer.steps_taken + self.passes
+
+    @iter.setter
+    def iter(self, value: int) -> None:
+        # The base class counts passes as iterations (``iter += 1`` after the last bucket).
+        self.passes = value - self.optimizer.steps_taken
 
     def settings(self) -> dict:
         optimizer_settings = getattr(self.optimizer, "settings", None)
@@ -100,24 +119,21 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
     if all(voted):
         return state.vote(bucket, grad, out=grad)
     if not any(voted):
-        state.advance_pending(drain=bucket.is_last())  # earlier buckets' votes must still finish
+        state.pending.advance(drain=bucket.is_last())  # earlier buckets' votes must still finish
         fut = allreduce_mean(grad, state.process_group, state.stats, None)  # SignMuon's AdamW path checks
         state.maybe_increase_iter(bucket)
         return fut
     # A bucket mixing both kinds: vote one part, all-reduce the other, both issued now.
     averaged = [g for g, v in zip(grads, voted) if not v]
-    flat_avg = torch.cat([g.reshape(-1) for g in averaged])
+    flat_avg = flatten(averaged)
     avg_fut = allreduce_mean(flat_avg, state.process_group, state.stats, None)  # in place
     voters = [g for g, v in zip(grads, voted) if v]
-    flat_vote = torch.cat([g.reshape(-1) for g in voters])
+    flat_vote = flatten(voters)
 
     def finish(vote: torch.Tensor) -> torch.Tensor:
         avg_fut.wait()
-        for part, flat in ((voters, vote), (averaged, flat_avg)):
-            offset = 0
-            for g in part:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        unflatten_into(vote, voters)
+        unflatten_into(flat_avg, averaged)
         return grad
 
     return state.vote(bucket, flat_vote, out=flat_vote, finish=finish, voted=voted)
@@ -132,7 +148,7 @@ def _node_aware(
     Done before the hook returns (no pipelining across buckets): the node's all-reduce and the
     owners' Newton–Schulz must finish before the vote can start anyway.
     """
-    state.advance_pending(drain=True)  # flat buckets of an earlier layout, if any
+    state.pending.advance(drain=True)  # flat buckets of an earlier layout, if any
     opt = state.optimizer
     params, grads = bucket.parameters(), bucket.gradients()
     vote_idx = [j for j, v in enumerate(voted) if v]
@@ -147,10 +163,9 @@ def _node_aware(
     )  # fmt: skip
     averaged = [grads[j] for j, v in enumerate(voted) if not v]
     if averaged:
-        flat = torch.cat([g.reshape(-1) for g in averaged])
+        flat = flatten(averaged)
         world_mean(flat, layout, state.stats)  # SignMuon's AdamW path checks finiteness
-        for g, mean in zip(averaged, flat.split([g.numel() for g in averaged])):
-            g.copy_(mean.view_as(g))
+        unflatten_into(flat, averaged)
     state.maybe_increase_iter(bucket)
     grad = bucket.buffer()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)

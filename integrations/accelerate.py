@@ -28,7 +28,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from signmuon.comm_hooks import SignVoteState, VoteHookState, sign_vote_hook
-from signmuon.optim import SignMuon
+from signmuon.optim import SignVoteOptimizer
 
 __all__ = ["register_comm_hook"]
 
@@ -60,7 +60,7 @@ def register_comm_hook(
     whole step itself). A hook that has not run by the first optimizer step raises there.
     """
     inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the user's
-    voting = isinstance(inner, SignMuon)
+    voting = isinstance(inner, SignVoteOptimizer)
     if voting and comm_state is not None:
         raise ValueError(
             f"{type(inner).__name__} registers its own hook; comm_state is for other optimizers (pass one of the two)"

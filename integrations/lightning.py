@@ -31,7 +31,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("signmuon.integrations.lightning needs Lightning: pip install 'signmuon[lightning]'") from error
 
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
-from signmuon.optim import DPPFAverager, SignMuon, register_local_sgd_hook
+from signmuon.optim import DPPFAverager, SignVoteOptimizer, register_local_sgd_hook
 
 __all__ = ["SignDDPStrategy"]
 
@@ -86,7 +86,7 @@ class SignDDPStrategy(DDPStrategy):
 
     def _register_reduction(self, trainer: pl.Trainer) -> None:
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        voting = [o for o in optimizers if isinstance(o, SignMuon)]
+        voting = [o for o in optimizers if isinstance(o, SignVoteOptimizer)]
         if (self.comm_state is not None or self.averager is not None) and voting:
             raise ValueError(
                 f"configure_optimizers returned {type(voting[0]).__name__}, which registers its own hook, and "

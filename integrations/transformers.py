@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from signmuon.optim import SignMuon, muon_param_groups, sign_optimizer_from_spec
+from signmuon.optim import SignVoteOptimizer, muon_param_groups, sign_optimizer_from_spec
 
 __all__ = ["SignTrainer", "SignTrainerMixin"]
 
@@ -46,7 +46,7 @@ _RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks")
 def _innermost(optimizer: Any) -> Any:
     """The user's optimizer inside the Trainer's wrappers (Accelerate's, DeepSpeed's)."""
     for _ in range(4):
-        if isinstance(optimizer, SignMuon) or getattr(optimizer, "optimizer", None) is None:
+        if isinstance(optimizer, SignVoteOptimizer) or getattr(optimizer, "optimizer", None) is None:
             break
         optimizer = optimizer.optimizer
     return optimizer
@@ -116,7 +116,7 @@ class SignTrainerMixin:
     def register_vote(self) -> None:
         """Register the vote on the wrapped model (called at ``on_train_begin``)."""
         optimizer = _innermost(self.optimizer)
-        if not isinstance(optimizer, SignMuon):
+        if not isinstance(optimizer, SignVoteOptimizer):
             raise ValueError(
                 f"{type(self).__name__} trains with signmuon's optimizers, but the Trainer's optimizer is "
                 f"{type(optimizer).__name__}: pass sign_optimizer={{...}} instead of optimizers=(...)"

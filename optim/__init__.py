@@ -1,44 +1,51 @@
-"""Optimisation math: Newton–Schulz, SignMuon, the Muon baseline, the DPPF averager."""
+"""Optimisation math: the pure functions (``functional``), Newton–Schulz, the sign-vote
+optimizers (SignMuon, Signum-MV, signSGD-MV), the Muon baseline and the DPPF averager."""
 
-from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 from .dppf import DPPFAverager, local_sgd, register_local_sgd_hook
-from .muon_baseline import MuonWithAdamW
-from .routing import HEAD_NAMES, muon_param_groups
-from .sign_muon import (
-    LR_SCALINGS,
+from .functional import (
     MUON_LR_RATIO,
     MUON_UPDATE_RMS,
-    NS_DTYPES,
-    SignMuon,
+    adamw_update,
     lr_from_muon,
-    parameter_path,
+    muon_direction,
+    orthogonalize,
+    polar_direction,
+    signum_direction,
     step_size,
 )
-from .sign_vote_optim import SIGN_OPTIMIZERS, SignSGDMV, SignumMV, sign_optimizer_from_spec
+from .muon_baseline import MuonWithAdamW
+from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
+from .routing import HEAD_NAMES, muon_param_groups
+from .sign_muon import SignMuon
+from .sign_vote import SignSGDMV, SignumMV, SignVoteOptimizer
+from .spec import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 from .valley import ValleyResult, inverse_mean_valley
 
 __all__ = [
     "DPPFAverager",
     "HEAD_NAMES",
-    "LR_SCALINGS",
+    "MUON_COEFFICIENTS",
     "MUON_LR_RATIO",
     "MUON_UPDATE_RMS",
-    "NS_DTYPES",
-    "MUON_COEFFICIENTS",
     "MuonWithAdamW",
     "SIGN_OPTIMIZERS",
     "SignMuon",
     "SignSGDMV",
+    "SignVoteOptimizer",
     "SignumMV",
     "ValleyResult",
+    "adamw_update",
     "as_matrix",
     "inverse_mean_valley",
     "local_sgd",
     "lr_from_muon",
+    "muon_direction",
     "muon_param_groups",
-    "register_local_sgd_hook",
     "newton_schulz",
-    "parameter_path",
+    "orthogonalize",
+    "polar_direction",
+    "register_local_sgd_hook",
     "sign_optimizer_from_spec",
+    "signum_direction",
     "step_size",
 ]

@@ -33,14 +33,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from signmuon.comm_hooks import (
+from signmuon.comm_hooks.dist import (
     CommStats,
     NonFiniteError,
     agree,
     check_same_settings,
+    flatten,
     gather_rows,
+    mean_all_reduce,
     nonfinite_flag,
     settings_digest,
+    split_like,
+    unflatten_into,
 )
 
 __all__ = ["DPPFAverager", "local_sgd", "register_local_sgd_hook", "DISTANCES"]
@@ -52,16 +56,6 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
     return value
-
-
-def _mean_all_reduce(flat: torch.Tensor, group, world_size: int, stats: CommStats) -> torch.Tensor:
-    """In-place mean over the group, as torch's ``average_parameters`` computes it (divide, then sum)."""
-    flat /= world_size
-    if world_size > 1:
-        dist.all_reduce(flat, group=group)
-    ring = 2 * (world_size - 1) * flat.numel() * flat.element_size() // world_size
-    stats.add(ring, ring)
-    return flat
 
 
 class DPPFAverager(ModelAverager):
@@ -206,27 +200,23 @@ class DPPFAverager(ModelAverager):
         group = self.process_group
         if dist._rank_not_in_group(group):
             return
-        world_size = dist.get_world_size(group)
         self.stats.calls += 1
         distances = []
         for tensors in _by_dtype_and_device(params):
-            flat = torch.cat([p.reshape(-1) for p in tensors])  # [n] this worker's x
-            mean = _mean_all_reduce(flat.clone(), group, world_size, self.stats)  # [n] x_bar
-            offset = 0
+            flat = flatten(tensors)  # [n] this worker's x
+            mean = mean_all_reduce(flat.clone(), group, self.stats)  # [n] x_bar (torch's order: divide, then sum)
             diffs = [] if self.push else None
-            for p in tensors:
-                x_bar = mean[offset : offset + p.numel()].view_as(p)
+            for p, x_bar in zip(tensors, split_like(mean, tensors)):
                 if diffs is not None:
                     diffs.append(p - x_bar)
                 # lerp is exact at weight 1, so pull=1, push=0 gives torch's average bit for bit.
                 p.lerp_(x_bar.to(p.dtype), self.pull)
-                offset += p.numel()
             if diffs is not None:
                 distances += self._push(tensors, diffs)
             else:
                 distances.append(float((flat - mean).norm()))
         if self.average_buffers and self.module is not None:
-            self._average_buffers(world_size)
+            self._average_buffers()
         self._record(distances)
         self.rounds += 1
 
@@ -244,13 +234,9 @@ class DPPFAverager(ModelAverager):
             radii.append(r)
         return radii
 
-    def _average_buffers(self, world_size: int) -> None:
+    def _average_buffers(self) -> None:
         for tensors in _by_dtype_and_device(self._buffers()):
-            flat = _mean_all_reduce(torch.cat([b.reshape(-1) for b in tensors]), self.process_group, world_size, self.stats)
-            offset = 0
-            for b in tensors:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
+            unflatten_into(mean_all_reduce(flatten(tensors), self.process_group, self.stats), tensors)
 
     def _record(self, distances: list[float]) -> None:
         # With several dtype groups or per-tensor distances, a worker's distance is their root sum of squares.
@@ -272,14 +258,9 @@ class DPPFAverager(ModelAverager):
         The workers' own parameters are left untouched, and ``stats`` does not count this
         (evaluation traffic, not training)."""
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        world_size = dist.get_world_size(self.process_group)
         floats = [v for v in state.values() if v.is_floating_point()]
         for tensors in _by_dtype_and_device(floats):
-            flat = _mean_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), self.process_group, world_size, CommStats())
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            unflatten_into(mean_all_reduce(flatten(tensors), self.process_group), tensors)
         return state
 
     # -- checkpointing ---------------------------------------------------------------------

@@ -6,11 +6,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.launch import run_distributed
+from tests.harness import run_distributed
 from signmuon.comm_hooks import BackwardReducer, SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignSGDMV, SignumMV
 
-from .toys import batch, tiny_net
+from .harness import batch, tiny_net
 
 STEPS = 4
 

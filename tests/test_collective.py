@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, majority_vote_async, vote_bytes_per_rank
-from signmuon.benchmarks.launch import run_distributed
+from tests.harness import run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

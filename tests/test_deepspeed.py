@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.launch import run_distributed
+from tests.harness import run_distributed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
 from signmuon.optim import SignMuon
 

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.launch import run_distributed
+from tests.harness import run_distributed
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook, vote_bytes_per_rank
 from signmuon.optim import SignMuon, SignumMV
 from signmuon.optim.newton_schulz import as_matrix, newton_schulz
-from tests.toys import batch, tiny_net
+from tests.harness import batch, tiny_net
 
 LR, BETA = 0.01, 0.9
 
@@ -169,7 +169,8 @@ def test_one_node_or_one_rank_per_node_is_the_flat_vote():
 def _bytes_worker(rank, world_size, per_node, n):
     import torch.distributed as dist
 
-    from signmuon.comm_hooks import CommStats, NodeVoteWork, node_layout
+    from signmuon.comm_hooks import CommStats, node_layout
+    from signmuon.comm_hooks.vote import NodeVoteWork
 
     layout = node_layout(None, per_node)
     stats = CommStats()
@@ -288,7 +289,7 @@ def test_config_fields_validate_and_come_from_a_deepspeed_vote_section():
 
 
 def test_owners_balance_cost_and_are_deterministic():
-    from signmuon.comm_hooks import owners
+    from signmuon.comm_hooks.vote import owners
 
     costs = [100.0, 60.0, 50.0, 10.0, 10.0]
     assert owners(costs, 2) == [0, 1, 1, 0, 0] == owners(list(costs), 2)

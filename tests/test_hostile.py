@@ -12,19 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.launch import run_distributed
-from signmuon.comm_hooks import (
-    CommStats,
-    SignVoteState,
-    VoteConfig,
-    check_replicas,
-    majority_vote,
-    settings_digest,
-    sign_vote_hook,
-)
+from tests.harness import run_distributed
+from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, check_replicas, majority_vote, sign_vote_hook
+from signmuon.comm_hooks.dist import settings_digest
 from signmuon.integrations.deepspeed import SignCompressedBackend
 from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV
-from tests.toys import batch, capture, tiny_net
+from tests.harness import batch, capture, tiny_net
 
 
 # --- sizes that differ between ranks ---------------------------------------------------------

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from signmuon.benchmarks.launch import run_distributed
+from tests.harness import run_distributed
 
-from .toys import capture
+from .harness import capture
 
 STEPS = 6
 
@@ -28,7 +28,7 @@ def _data(rank: int, n: int = 48) -> torch.utils.data.TensorDataset:
 def _lightning_fit(rank, make_optimizer, strategy, clip=None, steps=STEPS):
     import lightning.pytorch as pl
 
-    from .toys import tiny_net
+    from .harness import tiny_net
 
     class Net(pl.LightningModule):
         def __init__(self):
@@ -137,7 +137,7 @@ def _accelerate(rank, world_size):
     from signmuon.integrations.accelerate import register_comm_hook
     from signmuon.optim import SignSGDMV
 
-    from .toys import tiny_net
+    from .harness import tiny_net
 
     def fit(make, clip=None, comm_state=None, register=True):
         accelerator = Accelerator(cpu=True)
@@ -276,7 +276,7 @@ def test_a_hook_that_never_ran_raises_at_the_first_step(with_closure):
     its backward."""
     from signmuon.comm_hooks import SignVoteState
 
-    from .toys import batch, tiny_net
+    from .harness import batch, tiny_net
 
     net = tiny_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

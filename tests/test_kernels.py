@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from signmuon.comm_hooks import SignSegments, kernels_for
+from signmuon.comm_hooks import SignSegments
+from signmuon.comm_hooks.kernels import kernels_for
 from signmuon.comm_hooks.kernels import cpu, reference, torch_ops
 from signmuon.comm_hooks.kernels.layout import words_for
 

@@ -8,19 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from signmuon.benchmarks.ns_precision import flip_fraction, momentum
 from signmuon.optim import MUON_UPDATE_RMS, SignMuon, muon_param_groups, newton_schulz
 
-TARGET = 0.005  # issue 12: at most 0.5% flipped signs at the default precision
 
 
-@pytest.mark.parametrize("size, rank", [(256, 8), (256, 32), (384, 16)])
-def test_default_precision_keeps_the_signs_of_low_rank_momentum(size, rank):
-    for seed in range(2):
-        x = momentum(size, rank, seed, torch.device("cpu"))
-        assert flip_fraction(x, "float32") <= TARGET
-    # Why the default is not bf16: it flips far more than the target on the same inputs.
-    assert flip_fraction(momentum(size, rank, 0, torch.device("cpu")), "bfloat16") > 4 * TARGET
 
 
 def test_float32_newton_schulz_ignores_a_global_tf32_setting():

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.launch import run_distributed
-from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_muon_hook, vote_reference
+from tests.harness import run_distributed
+from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_muon_hook
+from tests.harness import vote_reference
 
 # The simulation votes the literal sign(sum sign): ties 0 (the default tie rule is a coin).
 EXACT = VoteConfig(tie="exact")
-from signmuon.optim import SignMuon, as_matrix, newton_schulz
+from signmuon.optim import SignMuon, as_matrix, newton_schulz, polar_direction
 
 STEPS = 3
 CONFIGS = {
@@ -160,17 +161,17 @@ def test_single_process_equals_written_out_math():
 
 def test_post_vote_polar_step_band_and_rms():
     gen = torch.Generator().manual_seed(0)
-    group = {"polar_after_vote": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_dtype": "float32"}
+    ns = (5, (3.4445, -4.7750, 2.0315), torch.float32)  # steps, coefficients, dtype
     for shape in [(64, 64), (32, 96), (16, 2, 3, 3)]:
         S = torch.randint(-1, 2, shape, generator=gen).float()
-        D = SignMuon([torch.nn.Parameter(torch.zeros(2, 2))])._post_vote(group, S.clone(), "matrix")
+        D = polar_direction(S.clone(), *ns)
         assert D.shape == S.shape
         assert abs(D.pow(2).mean().sqrt().item() - 1.0) < 1e-5
         s = torch.linalg.svdvals(as_matrix(D))
         # Entry-RMS 1 fixes ||D||_F = sqrt(m*n), so the band is relative to its mean singular value.
         mean = s.pow(2).mean().sqrt()
         assert 0.5 < (s / mean).min() and (s / mean).max() < 1.5
-    zero = SignMuon([torch.nn.Parameter(torch.zeros(2, 2))])._post_vote(group, torch.zeros(8, 8), "matrix")
+    zero = polar_direction(torch.zeros(8, 8), *ns)
     assert torch.equal(zero, torch.zeros(8, 8))
 
 
@@ -249,13 +250,6 @@ def test_misuse_is_caught():
     assert "SignMuonHookState" in errors["wrong_state"]
 
 
-def test_converges_on_digits():
-    # 2 ranks, 200 steps of batch 64: SignMuon must reach 85% test accuracy, far above the 10%
-    # of chance; DDP+AdamW gets about 98% in 300 steps, so 85% leaves room for noise, not bugs.
-    from signmuon.benchmarks.train import TrainConfig, run
-
-    result = run(["signmuon"], 2, TrainConfig(steps=200, eval_every=200))[0]
-    assert result["test_acc"] >= 0.85, result
 
 
 @pytest.mark.parametrize(

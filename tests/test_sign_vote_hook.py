@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook, vote_reference
-from signmuon.benchmarks.launch import run_distributed
+from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
+from tests.harness import vote_reference
+from tests.harness import run_distributed
 
 STEPS = 5
 LR = 0.01
@@ -89,7 +90,7 @@ def test_ddp_hook_matches_simulation(world_size):
                     assert not torch.isin(ddp_grad, torch.tensor([-1.0, 0.0, 1.0])).all(), "warm-up must all-reduce"
                     continue
                 if cfg["momentum"] > 0:
-                    momentum[i].mul_(cfg["momentum"]).add_(local, alpha=1 - cfg["momentum"])
+                    momentum[i].lerp_(local, 1 - cfg["momentum"])
                     voters = momentum[i]
                 else:
                     voters = local

@@ -5,27 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from signmuon.benchmarks.launch import run_distributed
-from signmuon.comm_hooks import (
-    ByzantineFault,
-    SignMuonHookState,
-    SignVoteState,
-    VoteConfig,
-    majority_vote,
-    pack_signs,
-    unpack_signs,
-    vote_packed,
-)
+from tests.harness import run_distributed
+from signmuon.comm_hooks import ByzantineFault, SignMuonHookState, SignVoteState, VoteConfig, majority_vote, pack_signs, unpack_signs
+from signmuon.comm_hooks.kernels.torch_ops import vote_packed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
-from signmuon.optim import (
-    DPPFAverager,
-    SignMuon,
-    SignSGDMV,
-    SignumMV,
-    inverse_mean_valley,
-    lr_from_muon,
-    newton_schulz,
-)
+from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV, inverse_mean_valley, lr_from_muon, newton_schulz
 
 
 def _params():

@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from signmuon.comm_hooks import pack_nonzero, pack_signs, unpack_signs, vote_packed, vote_reference
+from signmuon.comm_hooks import pack_signs, unpack_signs
+from signmuon.comm_hooks.vote.packing import pack_nonzero
+from signmuon.comm_hooks.kernels.torch_ops import vote_packed
+from tests.harness import vote_reference
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Shared facts of the kernels: float bit layouts, word sizes and tie-break segments."""
+"""Shared facts of the kernels: float bit layouts, word sizes, 64-bit word arithmetic and tie-break segments."""
 
 from __future__ import annotations
 
@@ -7,9 +7,28 @@ import dataclasses
 import numpy as np
 import torch
 
-__all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "data_words", "words_for", "MASK64"]
+__all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "data_words", "words_for", "MASK64", "GOLDEN", "mix64",
+           "as_signed", "shift_right"]  # fmt: skip
 
 MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: consecutive keys land far apart
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finaliser on a 64-bit unsigned int (the tie coins' hash, defined once)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def as_signed(value: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits."""
+    return value - (1 << 64) if value >> 63 else value
+
+
+def shift_right(words: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 words by ``k`` in [1, 63] (torch's ``>>`` is arithmetic)."""
+    return (words >> k) & ((1 << (64 - k)) - 1)
 
 
 @dataclasses.dataclass(frozen=True)

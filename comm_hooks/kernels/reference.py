@@ -11,11 +11,9 @@ import math
 
 import torch
 
-from .layout import MASK64, SignSegments, words_for
+from .layout import GOLDEN, MASK64, SignSegments, mix64, words_for
 
-__all__ = ["pack", "unpack", "vote", "tie_words", "mix64"]
-
-GOLDEN = 0x9E3779B97F4A7C15
+__all__ = ["pack", "unpack", "vote", "tie_bit", "tie_words"]
 
 
 def _to_int64(values: list[int]) -> torch.Tensor:
@@ -74,13 +72,6 @@ def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, tie: torch.Tensor
             out_pos[w] |= (sign > 0) << b
             out_nz[w] |= (sign != 0) << b
     return _to_int64(out_pos), _to_int64(out_nz)
-
-
-def mix64(z: int) -> int:
-    """splitmix64's finaliser on a 64-bit unsigned int."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
 
 
 def tie_bit(call_key: int, segment_key: int, index: int) -> int:

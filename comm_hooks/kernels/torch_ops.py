@@ -11,10 +11,9 @@ import functools
 
 import torch
 
-from ..vote import vote_packed
-from .layout import SignSegments
+from .layout import GOLDEN, MASK64, SignSegments, as_signed, shift_right
 
-__all__ = ["pack", "unpack", "vote", "tie_words", "NAME"]
+__all__ = ["pack", "unpack", "vote", "vote_packed", "tie_words", "popcount64", "NAME"]
 
 NAME = "torch"
 
@@ -60,26 +59,115 @@ def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense: torch.Tens
     return vote_packed(positive, nonzero, tie_break=tie)
 
 
-_M1, _M2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+# -- the vote in the packed domain: bit-sliced counting on 64-bit words ------------------
+#
+# Each of the M voters gives a ``positive`` plane (bit set where its entry is > 0) and, when it
+# has exact zeros, a ``nonzero`` plane. Counting the voters per bit position with a bit-sliced
+# ripple-carry adder touches each word O(M log M) times and never expands a bit into a float.
 
 
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >> 63 else v
+def _count_planes(planes: torch.Tensor) -> list[torch.Tensor]:
+    """Per-bit population count of ``planes`` [M, W] as bit-sliced counter words, LSB first."""
+    counter: list[torch.Tensor] = []
+    for i, plane in enumerate(planes, start=1):
+        carry = plane
+        for k in range(len(counter)):
+            counter[k], carry = counter[k] ^ carry, counter[k] & carry
+        if i >= 1 << len(counter):  # count i needs one more bit
+            counter.append(carry)
+    return counter
 
 
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+def _compare_counters(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bitwise (a > b, a < b) for two bit-sliced counters, scanning from the MSB."""
+    ref = a[0] if a else b[0]
+    zero = torch.zeros_like(ref)
+    width = max(len(a), len(b))
+    a = a + [zero] * (width - len(a))
+    b = b + [zero] * (width - len(b))
+    greater, less, equal = zero.clone(), zero.clone(), ~zero
+    for ak, bk in zip(reversed(a), reversed(b)):
+        greater |= equal & ak & ~bk
+        less |= equal & ~ak & bk
+        equal &= ~(ak ^ bk)
+    return greater, less
+
+
+def _compare_to_constant(a: list[torch.Tensor], constant: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bitwise (a > constant, a == constant) for a bit-sliced counter."""
+    greater = torch.zeros_like(a[0])
+    equal = ~greater
+    for k in reversed(range(max(len(a), constant.bit_length()))):
+        ak = a[k] if k < len(a) else torch.zeros_like(greater)
+        if (constant >> k) & 1:
+            equal &= ak
+        else:
+            greater |= equal & ak
+            equal &= ~ak
+    return greater, equal
+
+
+def vote_packed(
+    positive: torch.Tensor,
+    nonzero: torch.Tensor | None = None,
+    *,
+    tie_break: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vote M packed sign vectors.
+
+    Args:
+        positive: int64 [M, W], voter i's ``x_i > 0`` bits.
+        nonzero: int64 [M, W], voter i's ``x_i != 0`` bits; ``None`` means no voter has a zero
+            (the dense case, which takes a cheaper path: compare one counter to M/2).
+            ``positive`` bits must be a subset of ``nonzero`` bits.
+        tie_break: int64 [W] random bits; ``None`` leaves ties at 0 (exact mode).
+
+    Returns:
+        ``(positive, nonzero)`` int64 [W] planes of the voted sign.
+    """
+    if positive.dim() != 2 or positive.dtype != torch.int64:
+        raise ValueError(f"positive must be an int64 [M, W] tensor, got {positive.dtype} {tuple(positive.shape)}")
+    voters = positive.shape[0]
+    pos_count = _count_planes(positive)
+    if nonzero is None:
+        # #neg = M - #pos, so sign(#pos - #neg) compares #pos with M/2.
+        greater, equal = _compare_to_constant(pos_count, voters // 2)
+        if voters % 2:  # odd M: #pos > (M-1)/2 wins, no ties possible
+            return greater, ~torch.zeros_like(greater)
+        tie = equal
+        less = ~(greater | equal)
+        any_nonzero = ~torch.zeros_like(greater)
+    else:
+        if nonzero.shape != positive.shape or nonzero.dtype != torch.int64:
+            raise ValueError("nonzero must be an int64 tensor shaped like positive")
+        neg_count = _count_planes(nonzero & ~positive)
+        greater, less = _compare_counters(pos_count, neg_count)
+        any_nonzero = nonzero[0].clone()
+        for plane in nonzero[1:]:
+            any_nonzero |= plane
+        tie = any_nonzero & ~(greater | less)
+    if tie_break is None:
+        return greater, greater | less
+    return greater | (tie & tie_break), greater | less | tie
+
+
+def popcount64(x: torch.Tensor) -> torch.Tensor:
+    """Set bits per int64 word (SWAR; int64 arithmetic wraps like the unsigned definition)."""
+    x = x - (shift_right(x, 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + (shift_right(x, 2) & 0x3333333333333333)
+    x = (x + shift_right(x, 4)) & 0x0F0F0F0F0F0F0F0F
+    return shift_right(x * 0x0101010101010101, 56)
 
 
 def _mix64(z: torch.Tensor) -> torch.Tensor:
-    # int64 multiplication wraps modulo 2**64 like the unsigned arithmetic of the definition.
-    z = (z ^ _shr(z, 30)) * _signed(_M1)
-    z = (z ^ _shr(z, 27)) * _signed(_M2)
-    return z ^ _shr(z, 31)
+    """``layout.mix64`` on int64 words: int64 multiplication wraps modulo 2**64 like the
+    unsigned arithmetic of the definition."""
+    z = (z ^ shift_right(z, 30)) * as_signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shift_right(z, 27)) * as_signed(0x94D049BB133111EB)
+    return z ^ shift_right(z, 31)
 
 
-def _logical_shr(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _logicalshift_right(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Logical right shift of int64 by per-element amounts in [0, 63]."""
     return (z >> shift) & ~((-1 << (63 - shift)) << 1)
 
@@ -88,22 +176,22 @@ def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: in
     """Word by word: a word inside one segment is two hash words shifted together; only the
     few words that cross a segment boundary (or the end of the data) go entry by entry."""
     starts = torch.tensor(segments.starts, dtype=torch.int64, device=device)
-    keys = torch.tensor([_signed(k & ((1 << 64) - 1)) for k in segments.keys], dtype=torch.int64, device=device)
-    key = _signed(call_key & ((1 << 64) - 1))
+    keys = torch.tensor([as_signed(k & MASK64) for k in segments.keys], dtype=torch.int64, device=device)
+    key = as_signed(call_key & MASK64)
     low_entry = first_entry + 64 * torch.arange(words, dtype=torch.int64, device=device)  # [words]
     seg = (torch.searchsorted(starts, low_entry, right=True) - 1).clamp(0, len(segments.keys) - 1)
     index = low_entry - starts[seg]
     seg_key = _mix64(keys[seg] ^ key)
-    block, offset = _shr(index, 6), index & 63
-    first = _mix64(seg_key + block * _signed(_GOLDEN))
-    second = _mix64(seg_key + (block + 1) * _signed(_GOLDEN))
-    out = _logical_shr(first, offset) | torch.where(offset > 0, second << ((64 - offset) & 63), 0)
+    block, offset = shift_right(index, 6), index & 63
+    first = _mix64(seg_key + block * as_signed(GOLDEN))
+    second = _mix64(seg_key + (block + 1) * as_signed(GOLDEN))
+    out = _logicalshift_right(first, offset) | torch.where(offset > 0, second << ((64 - offset) & 63), 0)
     crossing = (starts[seg + 1] < low_entry + 64).nonzero().view(-1)
     if crossing.numel():
         entries = low_entry[crossing].unsqueeze(1) + torch.arange(64, device=device)  # [k, 64]
         eseg = (torch.searchsorted(starts, entries, right=True) - 1).clamp(0, len(segments.keys) - 1)
         eindex = entries - starts[eseg]
-        h = _mix64(_mix64(keys[eseg] ^ key) + _shr(eindex, 6) * _signed(_GOLDEN))
+        h = _mix64(_mix64(keys[eseg] ^ key) + shift_right(eindex, 6) * as_signed(GOLDEN))
         bits = ((h >> (eindex & 63)) & 1).masked_fill_(entries >= segments.numel, 0)
         out[crossing] = (bits * _bit_weights(entries.device)).sum(dim=1)
     return out

@@ -5,7 +5,7 @@ buffer_m, worker_error, server_error, local_rank)``: an error-feedback, scaled-s
 all-reduce in two phases (its ``NcclBackend`` and ``MpiBackend``, removed in 0.19.8). This
 backend keeps that contract on any torch process group (gloo or NCCL, including DeepSpeed's
 groups, which are torch groups), on the same exchange as the majority vote
-(``signmuon.comm_hooks.ExchangeWork`` with ``ScaledSignEncoding``), and adds the vote itself
+(``signmuon.comm_hooks.vote.exchange.ExchangeWork`` with ``ScaledSignEncoding``), and adds the vote itself
 as :meth:`majority_vote`.
 """
 
@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from signmuon.comm_hooks import CommStats, ExchangeWork, VoteConfig, group_size_rank, kernels_for, majority_vote
-from signmuon.comm_hooks.encoding import ScaledSignEncoding, scaled_sign
+from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote
+from signmuon.comm_hooks.dist import group_size_rank
+from signmuon.comm_hooks.kernels import kernels_for
+from signmuon.comm_hooks.vote.exchange import ExchangeWork
+from signmuon.comm_hooks.vote.scaled_sign import ScaledSignEncoding, scaled_sign
 
 __all__ = ["SignCompressedBackend", "scaled_sign"]
 
@@ -25,7 +28,11 @@ class SignCompressedBackend:
 
     Args:
         process_group: the data-parallel group (None = WORLD).
-        vote: settings of :meth:`majority_vote` (and the kernels of both).
+        vote: settings of :meth:`majority_vote`. :meth:`compressed_allreduce` honours its
+            ``kernels`` and ``nonfinite`` (scaled signs have no ties, so ``tie`` and ``seed`` do
+            not apply) and refuses ``algorithm="all_gather"`` and ``fault``, which it cannot
+            honour; ``hierarchical`` is refused here (a node-aware vote needs the hooks'
+            node layout).
 
     Statistics: ``stats`` (a :class:`CommStats`) counts bytes sent and received.
     """
@@ -36,7 +43,13 @@ class SignCompressedBackend:
         self.process_group = process_group
         self.size, self.rank = group_size_rank(process_group)
         self.stats = CommStats()
-        self.vote_config = VoteConfig() if vote is None else vote
+        vote = VoteConfig.of(vote)
+        if vote.hierarchical:
+            raise ValueError(
+                "SignCompressedBackend votes over its process group as it is; for the node-aware vote "
+                "(VoteConfig(hierarchical=True)) use the DDP hooks or a sign-vote optimizer from the DeepSpeed config"
+            )
+        self.vote_config = vote
 
     def majority_vote(self, tensor: torch.Tensor, *, step: int = 0) -> torch.Tensor:
         """``sign(sum_i sign(tensor_i))`` in place (the collective of the DDP hooks)."""
@@ -64,6 +77,11 @@ class SignCompressedBackend:
             server_error: [N / world size], the feedback of this rank's chunk.
             local_rank: accepted for DeepSpeed's signature; devices follow the tensors.
         """
+        if self.vote_config.algorithm == "all_gather" or self.vote_config.fault is not None:
+            raise ValueError(
+                "compressed_allreduce always runs two phases and has no fault injection: pass a VoteConfig with "
+                "algorithm='auto' or 'two_phase' and no fault (those settings apply to majority_vote)"
+            )
         original_shape, original_size = buffer_m.shape, buffer_m.numel()
         padded_size = worker_error.numel()
         chunk = padded_size // self.size

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .exchange import VoteMismatchError, gather_rows, group_size_rank
+from .groups import VoteMismatchError, gather_rows, group_size_rank
 
 __all__ = [
     "ReplicaDivergenceError",

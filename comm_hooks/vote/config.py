@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 from .faults import ByzantineFault
@@ -18,10 +19,14 @@ KERNELS = ("auto", "numba", "triton", "torch")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VoteConfig:
     """How a majority vote is computed and sent; taken whole by ``majority_vote``, the DDP hook
-    states, ``SignMuon``, ``SignumMV``, ``SignSGDMV`` and the DeepSpeed config's ``"vote"`` section.
+    states, ``SignMuon``, ``SignumMV``, ``SignSGDMV``, ``SignCompressedBackend`` and the DeepSpeed
+    config's ``"vote"`` section.
 
     Every field must be equal on every rank (the hooks and optimizers compare them at their
-    first call).
+    first call). Every entry point honours every field, except where it says otherwise and
+    refuses the value: ``hierarchical`` needs a hook state or an optimizer (they own the node
+    layout and, for Signum and SignMuon, the momentum on node means), so ``majority_vote`` and
+    ``SignCompressedBackend`` refuse it.
     """
 
     tie: Literal["fast", "exact"] = "fast"
@@ -44,7 +49,8 @@ class VoteConfig:
     tensors (an ``ImportError`` naming the extra if it is missing); ``"torch"`` takes the
     slower device-agnostic torch operations."""
     hierarchical: bool = False
-    """Node-aware vote: gradients are averaged in full precision inside each node (fast links),
+    """Node-aware vote (the hook states and the sign-vote optimizers; refused by
+    ``majority_vote``, which votes each rank's own signs): gradients are averaged in full precision inside each node (fast links),
     and only the signs of the node means are voted between nodes, one bit per entry, each rank
     voting 1/L of the tensor with the ranks of its local index on the other nodes. The voters
     are the N nodes. Flat when there is one node or one rank per node. docs/design.md has the
@@ -72,6 +78,20 @@ class VoteConfig:
         if self.fault is not None and not isinstance(self.fault, ByzantineFault):
             raise TypeError(f"fault must be a ByzantineFault or None, got {type(self.fault).__name__}")
 
+    @classmethod
+    def of(cls, value: "VoteConfig | None", what: str = "vote") -> "VoteConfig":
+        """``value``, or the default config for None; anything else raises TypeError naming ``what``."""
+        if value is None:
+            return _DEFAULT
+        if not isinstance(value, cls):
+            raise TypeError(f"{what} must be a VoteConfig, got {type(value).__name__}")
+        return value
+
+    @functools.cached_property
+    def rail(self) -> "VoteConfig":
+        """This config for the vote on one rail of the node-aware schedule: the same fields, flat."""
+        return dataclasses.replace(self, hierarchical=False, ranks_per_node=None)
+
     def settings(self) -> dict:
         """What must agree across ranks, as plain values (for the settings digest)."""
         fault = None if self.fault is None else (self.fault.ranks, self.fault.mode, self.fault.seed)
@@ -94,3 +114,6 @@ class VoteConfig:
 def _choice(name: str, value, choices: tuple[str, ...], why: str) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} {why}; use one of {choices}")
+
+
+_DEFAULT = VoteConfig()

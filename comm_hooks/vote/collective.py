@@ -1,9 +1,9 @@
 """The 1-bit majority-vote collective: every rank ends with ``sign(sum_i sign(v_i))``.
 
 The schedule (all-to-all of packed shards, a vote per shard, all-gather of the voted shards;
-or one all-gather for two ranks) is :mod:`~signmuon.comm_hooks.exchange`'s; what a shard holds
+or one all-gather for two ranks) is ``exchange``'s; what a shard holds
 (the ``positive`` plane, zero lists or planes when there are zeros, tie-break coins) is
-:mod:`~signmuon.comm_hooks.encoding`'s. Bytes one rank sends in the dense case (M ranks,
+``encoding``'s. Bytes one rank sends in the dense case (M ranks,
 n entries, W = ceil(n/64) words, S = ceil(W/M)):
 
 * two-phase: ``(M-1) * (2S + 6 + 3) * 8``, at most ``2(M-1)/M * n/8`` plus headers;
@@ -24,36 +24,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .config import ALGORITHMS, NONFINITE_ACTIONS, TIE_MODES, VoteConfig
+from ..dist import CommStats, group_size_rank
+from ..kernels import kernels_for
+from ..kernels.layout import SignSegments, words_for
+from .config import VoteConfig
 from .encoding import SignEncoding, call_key
-from .exchange import (
-    CommStats,
-    ExchangeWork,
-    NonFiniteError,
-    VoteMismatchError,
-    default_two_phase,
-    exchange_bytes_per_rank,
-    group_size_rank,
-)
-from .kernels import kernels_for
-from .kernels.layout import SignSegments, words_for
+from .exchange import ExchangeWork, default_two_phase, exchange_bytes_per_rank
 from .packing import check_float
 
-__all__ = [
-    "ALGORITHMS",
-    "CommStats",
-    "NONFINITE_ACTIONS",
-    "NonFiniteError",
-    "TIE_MODES",
-    "VoteMismatchError",
-    "VoteWork",
-    "majority_vote",
-    "majority_vote_async",
-    "vote_bytes_per_rank",
-]
-
-_DEFAULT = VoteConfig()
-
+__all__ = ["VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank"]
 
 def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto", agree_sizes: bool = True) -> int:
     """Bytes one rank sends per dense-case call (no zeros, no exact-mode ties): the formula
@@ -93,9 +72,13 @@ class VoteWork(ExchangeWork):
         agree_sizes: bool = True,
         first_entry: int | None = None,
     ) -> None:
-        config = _DEFAULT if config is None else config
-        if not isinstance(config, VoteConfig):
-            raise TypeError(f"config must be a VoteConfig, got {type(config).__name__}")
+        config = VoteConfig.of(config, "config")
+        if config.hierarchical:
+            raise ValueError(
+                "majority_vote votes every rank's own signs; VoteConfig(hierarchical=True) votes node means and "
+                "works where the node's momentum lives: SignVoteState / sign_vote_hook, SignMuon / SignumMV / "
+                "SignSGDMV (DDP hook or vote_in_step) and a DeepSpeed config's \"vote\" section"
+            )
         flat = check_float(tensor)
         if out is None:
             out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -119,47 +102,19 @@ class VoteWork(ExchangeWork):
         )  # fmt: skip
 
 
-def majority_vote_async(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    config: VoteConfig | None = None,
-    *,
-    step: int = 0,
-    segments: SignSegments | None = None,
-    out: torch.Tensor | None = None,
-    stats: CommStats | None = None,
-    label: str = "",
-    tag: int = 0,
-    input_nonfinite: torch.Tensor | None = None,
-    agree_sizes: bool = True,
-) -> VoteWork:
-    """Start a vote and return its :class:`VoteWork`; ``.wait()`` gives the voted tensor.
-
-    Packing and the first exchange start before this returns, so they overlap with whatever
-    the caller does next. Arguments are those of :func:`majority_vote`; ``input_nonfinite``
-    (0-d bool) marks this rank's input as non-finite although ``tensor`` is finite;
-    ``agree_sizes=False`` skips the round that checks every rank's entry count, dtype and tag
-    before the data travels (pass it only where the sizes are equal by construction: a rank
-    with a different word count would abort the process group).
-    """
-    return VoteWork(
-        tensor, group, config, step=step, segments=segments, out=out, stats=stats, label=label, tag=tag,
-        input_nonfinite=input_nonfinite, agree_sizes=agree_sizes,
-    )  # fmt: skip
+majority_vote_async = VoteWork
+"""Start a vote and return its :class:`VoteWork` (packing and the first exchange start before
+it returns); ``.wait()`` gives the voted tensor. Arguments are those of :func:`majority_vote`,
+plus ``input_nonfinite`` (0-d bool: this rank's input counts as non-finite although ``tensor``
+is finite) and ``first_entry`` (the tensor is entries ``first_entry..`` of the one ``segments``
+describe, a slice voted with the coins of the whole)."""
 
 
 def majority_vote(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     config: VoteConfig | None = None,
-    *,
-    step: int = 0,
-    segments: SignSegments | None = None,
-    out: torch.Tensor | None = None,
-    stats: CommStats | None = None,
-    label: str = "",
-    tag: int = 0,
-    agree_sizes: bool = True,
+    **options,
 ) -> torch.Tensor:
     """``sign(sum_i sign(tensor_i))`` over the ranks of ``group`` (None = WORLD), on every rank.
 
@@ -168,6 +123,8 @@ def majority_vote(
         group: process group; without an initialised default group the caller is alone (M=1).
         config: the vote's settings (:class:`VoteConfig`: tie mode, seed, algorithm, what to do
             on NaN/Inf, kernels); the default is ``VoteConfig()``.
+
+    Keyword Args:
         step: which call this is (equal on every rank, e.g. the iteration): with the config's
             seed it keys the tie-break coins, so vary it per call.
         segments: keyed pieces of the tensor for the tie coins (e.g. parameters of a bucket).
@@ -185,7 +142,4 @@ def majority_vote(
         rank's tensor holds NaN or Inf, all zeros on every rank (``nonfinite="skip"``, counted in
         ``stats.skipped``) or :class:`NonFiniteError` on every rank (``"raise"``).
     """
-    return majority_vote_async(
-        tensor, group, config, step=step, segments=segments, out=out, stats=stats, label=label, tag=tag,
-        agree_sizes=agree_sizes,
-    ).wait()  # fmt: skip
+    return VoteWork(tensor, group, config, **options).wait()

@@ -1,6 +1,6 @@
 """The node-aware vote: full precision inside a node, one bit per entry between nodes.
 
-With N nodes of L ranks (:mod:`~signmuon.comm_hooks.topology`), per tensor of n entries::
+With N nodes of L ranks (``topology``), per tensor of n entries::
 
     1. all-reduce inside the node (full precision):  every local rank holds the node mean
     2. (optional) momentum on the node mean, the same on every local rank of the node
@@ -31,11 +31,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..dist import CommStats, NonFiniteError, flatten, mean_all_reduce, nonfinite_flag, split_like
+from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
-from .exchange import CommStats, NonFiniteError
-from .kernels.layout import SignSegments
-from .packing import nonfinite_flag
 from .topology import NodeLayout
 
 __all__ = ["NodeVoteWork", "node_mean", "owners", "vote_owned", "world_mean", "matrix_cost"]
@@ -49,16 +48,10 @@ def _slice(n: int, layout: NodeLayout) -> tuple[int, int]:
 
 
 def node_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
-    """In place: ``flat`` becomes the mean over this rank's node (an fp32-exact all-reduce)."""
-    L = layout.ranks_per_node
-    if layout.node_group is None or L == 1:
+    """In place: ``flat`` becomes the mean over this rank's node (full precision)."""
+    if layout.node_group is None or layout.ranks_per_node == 1:
         return flat
-    dist.all_reduce(flat, group=layout.node_group)
-    flat.div_(L)
-    if stats is not None:
-        ring = 2 * (L - 1) * flat.numel() * flat.element_size() // L
-        stats.add(ring, ring, inside_node=True)
-    return flat
+    return mean_all_reduce(flat, layout.node_group, stats, inside_node=True)
 
 
 def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
@@ -70,11 +63,7 @@ def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) 
     piece = torch.zeros(-(-n // layout.ranks_per_node), dtype=flat.dtype, device=flat.device)
     piece[: hi - lo] = flat[lo:hi]
     if layout.rail_group is not None and N > 1:
-        dist.all_reduce(piece, group=layout.rail_group)
-        piece.div_(N)
-        if stats is not None:
-            ring = 2 * (N - 1) * piece.numel() * piece.element_size() // N
-            stats.add(ring, ring)
+        mean_all_reduce(piece, layout.rail_group, stats)
     gathered = _gather_in_node(piece, layout, stats)
     flat.copy_(gathered.reshape(-1)[:n])
     return flat
@@ -134,7 +123,7 @@ class NodeVoteWork:
         voter, bad = prepare(mean) if prepare is not None else (mean, nonfinite_flag(mean))
         lo, hi = self._slice = _slice(n, layout)
         self._rail = VoteWork(
-            voter.view(-1)[lo:hi], layout.rail_group, config, step=step,
+            voter.view(-1)[lo:hi], layout.rail_group, config.rail, step=step,
             segments=segments if segments is not None else SignSegments.whole(n), first_entry=lo,
             out=self._out[lo:hi], stats=stats, label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
         )  # fmt: skip
@@ -198,18 +187,18 @@ def vote_owned(
     """
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # [n] all of them, for one node all-reduce
+    flat = flatten(grads)  # [n] all of them, for one node all-reduce
     node_mean(flat, layout, stats)
     bad = nonfinite_flag(flat)  # the node's, the same on each of its ranks
-    means = list(flat.split([g.numel() for g in grads]))
+    means = split_like(flat, grads)
     mine = [i for i in range(len(grads)) if owner[i] == layout.local_rank]
-    voter = torch.cat([directions(i, means[i].view_as(grads[i])).reshape(-1) for i in mine]) if mine else flat[:0]
+    voter = flatten([directions(i, means[i]) for i in mine]) if mine else flat[:0]
     starts = [0]
     for i in mine:
         starts.append(starts[-1] + grads[i].numel())
     segments = SignSegments(tuple(starts), tuple(keys[i] for i in mine)) if mine else None
     work = VoteWork(
-        voter, layout.rail_group, config, step=step, segments=segments, out=voter, stats=stats,
+        voter, layout.rail_group, config.rail, step=step, segments=segments, out=voter, stats=stats,
         label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
     )  # fmt: skip
     try:

@@ -14,46 +14,26 @@ So a tensor with k zeros costs ``O(k)`` bytes more than the dense formula while 
 and never more than a second bit plane.
 
 Ties (even numbers of voters) in ``"fast"`` mode take the bit of a hash of (seed, step,
-segment key, index inside the segment) (``kernels.reference.tie_bit``): every rank draws the
+segment key, index inside the segment) (``kernels.reference.tie_bit`` defines it): every rank draws the
 same coin, each sign with probability 1/2, and a run resumed with another DDP bucket layout
 draws the same coins because segments are parameters, not buckets.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
-from .exchange import Plan
+from ..kernels.layout import GOLDEN, MASK64, SignSegments, mix64, words_for
+from ..kernels.torch_ops import popcount64
 from .faults import ByzantineFault
-from .kernels import reference
-from .kernels.layout import MASK64, SignSegments, words_for
+from .wire import FLAG_ZERO_LIST as ZERO_LIST
+from .wire import FLAG_ZERO_PLANE as ZERO_PLANE
+from .wire import Plan, with_extra
 
-__all__ = ["ScaledSignEncoding", "SignEncoding", "scaled_sign", "ZERO_LIST", "ZERO_PLANE", "popcount64", "zero_positions", "plane_from_positions", "call_key"]
-
-ZERO_LIST = 2  # header flag bits (bit 0 belongs to the exchange)
-ZERO_PLANE = 4
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >> 63 else v
-
-
-def popcount64(x: torch.Tensor) -> torch.Tensor:
-    """Set bits per int64 word (SWAR; int64 arithmetic wraps like the unsigned definition)."""
-    x = x - (_shr(x, 1) & 0x5555555555555555)
-    x = (x & 0x3333333333333333) + (_shr(x, 2) & 0x3333333333333333)
-    x = (x + _shr(x, 4)) & 0x0F0F0F0F0F0F0F0F
-    return _shr(x * 0x0101010101010101, 56)
+__all__ = ["EncodedRows", "SignEncoding", "zero_positions", "plane_from_positions", "call_key"]
 
 
 def zero_positions(nonzero: torch.Tensor) -> torch.Tensor:
@@ -87,11 +67,11 @@ def _list_positions(words: torch.Tensor) -> torch.Tensor:
 
 def call_key(seed: int, step: int) -> int:
     """The 64-bit key of one call's tie-break coins."""
-    return reference.mix64((seed * 0x9E3779B97F4A7C15 + step) & MASK64)
+    return mix64((seed * GOLDEN + step) & MASK64)
 
 
 @dataclass
-class _Encoded:
+class EncodedRows:
     rows: torch.Tensor  # int64 [parts, S]
     codes: torch.Tensor  # int64 [parts]
     values: torch.Tensor  # int64 [parts]
@@ -111,7 +91,7 @@ def _zero_codes(planes: torch.Tensor, words: int) -> torch.Tensor:
     use_list = list_len < words
     length = torch.where(use_list, list_len, words)
     flag = torch.where(use_list, ZERO_LIST, ZERO_PLANE)
-    return torch.where(zeros > 0, flag | (length << 8), 0)
+    return torch.where(zeros > 0, with_extra(flag, length), 0)
 
 
 class SignEncoding:
@@ -148,7 +128,7 @@ class SignEncoding:
             return Plan(world_size, rank, numel, world_size, 64 * shard, shard, True)
         return Plan(world_size, rank, numel, 1, 64 * words, words, False)
 
-    def encode(self, flat: torch.Tensor, plan: Plan) -> _Encoded:
+    def encode(self, flat: torch.Tensor, plan: Plan) -> EncodedRows:
         positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
         if self.fault is not None:
             positive = self.fault.corrupt(positive, nonzero, plan.rank, self.key & ((1 << 62) - 1))
@@ -156,8 +136,8 @@ class SignEncoding:
         planes = nonzero.view(plan.parts, plan.words)
         values = torch.zeros(plan.parts, dtype=torch.int64, device=flat.device)
         if isinstance(zeros, int) and zeros == 0:  # the dense case: no popcount pass
-            return _Encoded(rows, values, values, nonfinite, None)
-        return _Encoded(rows, _zero_codes(planes, plan.words), values, nonfinite, planes)
+            return EncodedRows(rows, values, values, nonfinite, None)
+        return EncodedRows(rows, _zero_codes(planes, plan.words), values, nonfinite, planes)
 
     def _planes(self, codes: list[int], extras: list, words: int, device) -> torch.Tensor | None:
         if not any(c & (ZERO_LIST | ZERO_PLANE) for c in codes):
@@ -170,7 +150,7 @@ class SignEncoding:
                 planes[v] = plane_from_positions(_list_positions(extra), words)
         return planes
 
-    def reduce(self, rows, codes, values, extras, part, plan) -> _Encoded:
+    def reduce(self, rows, codes, values, extras, part, plan) -> EncodedRows:
         device = rows.device
         planes = self._planes(codes, extras, plan.words, device)
         dense = torch.tensor([not c & (ZERO_LIST | ZERO_PLANE) for c in codes], dtype=torch.bool)
@@ -183,9 +163,9 @@ class SignEncoding:
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         can_have_zeros = planes is not None or (self.tie == "exact" and len(codes) % 2 == 0)
         if not can_have_zeros:
-            return _Encoded(voted_pos.unsqueeze(0), zero, zero, False, None)
+            return EncodedRows(voted_pos.unsqueeze(0), zero, zero, False, None)
         voted_planes = voted_nz.unsqueeze(0)
-        return _Encoded(voted_pos.unsqueeze(0), _zero_codes(voted_planes, plan.words), zero, False, voted_planes)
+        return EncodedRows(voted_pos.unsqueeze(0), _zero_codes(voted_planes, plan.words), zero, False, voted_planes)
 
     def decode(self, rows, codes, values, extras, plan, out) -> None:
         flat = out.view(-1)
@@ -200,82 +180,3 @@ class SignEncoding:
             return
         planes = self._planes(codes, extras, plan.words, out.device).reshape(-1)
         self.kernels.unpack(positive, planes, flat)
-
-
-def scaled_sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, signs): ``scale = ||x|| / sqrt(n)`` and signs in {-1, +1}, with sign(0) = +1.
-
-    ``scale * signs`` has x's RMS (1-bit Adam's compression). Should the norm overflow for
-    finite input (entries near the dtype's maximum), it is taken of ``x / max|x|`` instead.
-    """
-    scale = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
-    if not bool(torch.isfinite(scale)) and bool(torch.isfinite(x).all()):
-        peak = x.abs().max()
-        scale = torch.linalg.vector_norm(x / peak) * (peak / math.sqrt(x.numel()))
-    signs = x.ge(0).to(x.dtype).mul_(2).sub_(1)
-    return scale, signs
-
-
-class ScaledSignEncoding:
-    """Error-feedback scaled sign (1-bit Adam's compression) as an encoding: each rank sends
-    ``scale * sign(x + worker_error)`` with ``scale = ||x + worker_error|| / sqrt(n)`` and keeps
-    the residual as its new worker error; the server part averages the M senders'
-    ``scale_i * sign_i``, compresses again with its own error feedback, and every rank decodes
-    ``scale_r * sign_r`` per part. ``sign(0) = +1``. The scale travels in the header's value word.
-
-    Args:
-        kernels: the kernel family.
-        worker_error: this rank's feedback buffer, as long as the encoded tensor (updated in ``encode``).
-        server_error: this rank's feedback buffer for its part (updated in ``reduce``).
-    """
-
-    __slots__ = ("kernels", "worker_error", "server_error")
-
-    def __init__(self, kernels: ModuleType, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
-        self.kernels, self.worker_error, self.server_error = kernels, worker_error, server_error
-
-    def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
-        chunk = numel // world_size
-        return Plan(world_size, rank, numel, world_size, chunk, words_for(chunk), True)
-
-    def _signs_rows(self, rows: torch.Tensor, words: int) -> torch.Tensor:
-        """int64 [R, words]: bit set where the entry is >= 0 (NaN counts as negative)."""
-        packed = []
-        for row in rows:
-            positive, nonzero, _, _ = self.kernels.pack(row.contiguous(), words)
-            packed.append(positive | ~nonzero)
-        return torch.stack(packed)
-
-    def _unpack(self, row: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(numel, dtype=dtype, device=row.device)
-        self.kernels.unpack(row, None, out)
-        return out
-
-    def encode(self, flat: torch.Tensor, plan: Plan) -> _Encoded:
-        flat = flat + self.worker_error
-        scale, signs = scaled_sign(flat)
-        self.worker_error.copy_(flat - scale * signs)
-        rows = self._signs_rows(flat.view(plan.parts, plan.part_entries), plan.words)
-        scale = scale.to(torch.float64).reshape(1).view(torch.int64).expand(plan.parts)
-        codes = torch.zeros(plan.parts, dtype=torch.int64, device=flat.device)
-        return _Encoded(rows, codes, scale.contiguous(), ~torch.isfinite(flat).all(), None)
-
-    def reduce(self, rows, codes, values, extras, part, plan) -> _Encoded:
-        dtype = self.server_error.dtype
-        scales = torch.tensor(values, dtype=torch.int64).view(torch.float64).to(dtype=dtype, device=rows.device)
-        signs = torch.stack([self._unpack(row, plan.part_entries, dtype) for row in rows])  # [M, chunk]
-        server = (signs * (scales / plan.world_size).unsqueeze(1)).sum(dim=0)
-        server.add_(self.server_error)
-        scale, server_signs = scaled_sign(server)
-        self.server_error.copy_(server - scale * server_signs)
-        zero = torch.zeros(1, dtype=torch.int64, device=rows.device)
-        value = scale.to(torch.float64).reshape(1).view(torch.int64)
-        return _Encoded(self._signs_rows(server.unsqueeze(0), plan.words), zero, value, False, None)
-
-    def decode(self, rows, codes, values, extras, plan, out) -> None:
-        flat = out.view(-1)
-        scales = torch.tensor(values, dtype=torch.int64).view(torch.float64).tolist()
-        for r, (row, scale) in enumerate(zip(rows, scales)):
-            part = flat[r * plan.part_entries : (r + 1) * plan.part_entries]
-            self.kernels.unpack(row, None, part)
-            part.mul_(torch.tensor(scale, dtype=flat.dtype))

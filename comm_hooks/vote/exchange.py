@@ -1,7 +1,7 @@
 """The exchange: how encoded shards travel, independent of what the encoding is.
 
 Every collective in this package that reduces a tensor at a fraction of a bit per entry has
-the same schedule; an *encoding* (:mod:`signmuon.comm_hooks.encoding`) says what a shard
+the same schedule; an *encoding* (``encoding``) says what a shard
 holds and how shards are reduced and decoded, this module moves them.
 
 Two-phase (M >= 3 ranks by default; ``algorithm="two_phase"``)::
@@ -17,10 +17,9 @@ All-gather (M = 2 by default): every rank gathers every rank's whole row (one pa
 ``S = W`` words), reduces all of it and decodes; the same bytes as two-phase for two ranks,
 in one round.
 
-Headers. Each row of step 1 starts with four words: ``code`` (bits 0–7 flags, bit 0 "this
-rank's input is not finite", bit 7 "this rank sends an extra to some rank", bits 8–63 the length of the row's extra in words), ``value`` (an
-encoding's number, e.g. a scale), ``shape`` (entry count and dtype) and ``tag`` (the caller's
-identity of the call, e.g. iteration and bucket). Every rank receives a row from every rank,
+Headers (``wire`` defines their words in one table). Each row of step 1 starts with four
+words: ``code`` (flags and the length of the row's extra), ``value``, ``shape`` (entry count and
+dtype) and ``tag`` (the caller's identity of the call, e.g. iteration and bucket). Every rank receives a row from every rank,
 so all ranks see the same headers and take the same decisions with no extra round trip: skip
 or raise on non-finite input, and raise :class:`VoteMismatchError` on every rank when ranks
 disagree on shape, dtype or tag. Step 3's rows carry ``code`` and ``value``.
@@ -41,209 +40,27 @@ order (gloo pairs collectives by issue order; see ``VoteWork``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .kernels.layout import FLOAT_LAYOUTS
+from ..dist import CommStats, NonFiniteError, VoteMismatchError, agree, group_size_rank
+from .wire import (
+    AGREE_FIELDS,
+    DTYPE_CODES,
+    EXCHANGE_FLAGS,
+    FLAG_NONFINITE,
+    FLAG_SENDS_EXTRA,
+    GATHER_HEADER_WORDS,
+    HEADER_WORDS,
+    WORD_BYTES,
+    Encoding,
+    describe_shape,
+    extra_words,
+    shape_word,
+)
 
-__all__ = [
-    "CommStats",
-    "ExchangeWork",
-    "Encoding",
-    "NonFiniteError",
-    "Plan",
-    "VoteMismatchError",
-    "AGREE_FIELDS",
-    "agree",
-    "gather_rows",
-    "group_size_rank",
-    "HEADER_WORDS",
-    "GATHER_HEADER_WORDS",
-    "FLAG_NONFINITE",
-    "default_two_phase",
-    "exchange_bytes_per_rank",
-]
-
-HEADER_WORDS = 4
-GATHER_HEADER_WORDS = 2
-WORD_BYTES = 8
-FLAG_NONFINITE = 1
-FLAG_SENDS_EXTRA = 128  # this rank sends an extra to some rank: the variable step must run
-_EXCHANGE_FLAGS = FLAG_NONFINITE | FLAG_SENDS_EXTRA
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_LAYOUTS, start=1)}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-
-
-class NonFiniteError(RuntimeError):
-    """Some rank's tensor held NaN or Inf; raised on every rank alike (``nonfinite="raise"``)."""
-
-
-class VoteMismatchError(ValueError):
-    """Ranks entered the same collective with different tensors (raised on every rank alike)."""
-
-
-class CommStats:
-    """Calls, bytes sent and received, calls skipped for non-finite input, and where the time went.
-
-    ``bytes_sent`` counts everything this rank sent; the node-aware vote also counts what it
-    sent inside its node in ``bytes_sent_inside_node`` (the rest crossed between nodes:
-    :attr:`bytes_sent_between_nodes`).
-
-    Seconds on this rank's host thread: ``pack_seconds`` (encoding the signs), ``vote_seconds``
-    (the vote on the received shards), ``unpack_seconds`` (decoding the result) and
-    ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one).
-    On a GPU kernels run asynchronously, so their time shows up where the host next waits for
-    them (the headers' reads): the split is exact on CPU and indicative on GPU.
-    """
-
-    __slots__ = (
-        "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
-        "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds",
-    )  # fmt: skip
-    _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.skipped = 0
-        self.bytes_sent_inside_node = 0
-        self.bytes_received_inside_node = 0
-        self.pack_seconds = 0.0
-        self.vote_seconds = 0.0
-        self.unpack_seconds = 0.0
-        self.wait_seconds = 0.0
-
-    def add(self, sent: int, received: int, inside_node: bool = False) -> None:
-        self.bytes_sent += sent
-        self.bytes_received += received
-        if inside_node:
-            self.bytes_sent_inside_node += sent
-            self.bytes_received_inside_node += received
-
-    @property
-    def bytes_sent_between_nodes(self) -> int:
-        return self.bytes_sent - self.bytes_sent_inside_node
-
-    def state_dict(self) -> dict[str, int | float]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    def load_state_dict(self, state: dict[str, int | float]) -> None:
-        for name in self.__slots__:
-            kind = float if name in self._SECONDS else int
-            setattr(self, name, kind(state.get(name, 0)))
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
-        return f"CommStats({fields})"
-
-
-def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(world size, rank) of ``group``; without an initialised default group the caller is alone."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-AGREE_FIELDS = 3  # entries, dtype, tag: the words of a vote's agreement round
-
-
-def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> torch.Tensor:
-    """[M, *row.shape]: every rank's ``row`` (an all-gather; ``row`` must have the same shape
-    everywhere); its bytes are added to ``stats``."""
-    world_size, _ = group_size_rank(group)
-    if world_size == 1:
-        return row.unsqueeze(0)
-    if stats is not None:
-        size = (world_size - 1) * row.numel() * row.element_size()
-        stats.add(size, size)
-    rows = row.new_empty(world_size, *row.shape)
-    dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)
-    return rows
-
-
-def agree(
-    fields: Mapping[str, int],
-    group: dist.ProcessGroup | None,
-    *,
-    what: str,
-    device: torch.device | str = "cpu",
-    describe: Mapping[str, Callable[[int], str]] | None = None,
-    stats: CommStats | None = None,
-) -> None:
-    """Raise :class:`VoteMismatchError` on every rank unless every rank passes equal ``fields``.
-
-    One all-gather of ``len(fields)`` int64 words: a fixed size, so ranks that disagree on any
-    size still meet in it, unlike the collective they are about to enter. The error names every
-    rank's values (``describe[name]`` formats a field's word). Call it with the same field
-    names in the same order on every rank (the code at one call site does).
-    """
-    world_size, _ = group_size_rank(group)
-    if world_size == 1:
-        return
-    row = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64, device=device)
-    rows = gather_rows(row, group, stats).tolist()
-    if all(r == rows[0] for r in rows):
-        return
-    names = list(fields)
-    differing = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
-    describe = describe or {}
-
-    def shown(name: str, word: int) -> str:
-        return describe[name](word) if name in describe else str(word)
-
-    per_rank = "; ".join(
-        f"rank {rank}: " + ", ".join(f"{n}={shown(n, r[names.index(n)])}" for n in differing) for rank, r in enumerate(rows)
-    )
-    raise VoteMismatchError(f"ranks entered {what} with different {', '.join(differing)} ({per_rank})")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a tensor of ``numel`` entries is cut: ``parts`` rows of ``part_entries`` entries,
-    each sent as ``words`` 64-bit words; ``two_phase`` says whether part r goes to rank r."""
-
-    world_size: int
-    rank: int
-    numel: int
-    parts: int
-    part_entries: int
-    words: int
-    two_phase: bool
-
-
-class Encoded(Protocol):
-    rows: torch.Tensor  # int64 [parts, words]
-    codes: torch.Tensor  # int64 [parts]: encoding flags (bits 1-7) | extra words << 8
-    values: torch.Tensor  # int64 [parts]
-    nonfinite: torch.Tensor | bool
-
-    def extra(self, part: int, code: int) -> torch.Tensor: ...
-
-
-class Encoding(Protocol):
-    """What an encoding tells the exchange (see :class:`signmuon.comm_hooks.encoding.SignEncoding`)."""
-
-    def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan: ...
-
-    def encode(self, flat: torch.Tensor, plan: Plan) -> Encoded: ...
-
-    def reduce(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, part: int, plan: Plan) -> Encoded:
-        """Reduce the M received rows of ``part`` into one (an ``Encoded`` with one part)."""
-
-    def decode(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, plan: Plan, out: torch.Tensor) -> None: ...
-
-
-def _shape_word(numel: int, dtype: torch.dtype) -> int:
-    return numel | (_DTYPE_CODES[dtype] << 56)
-
-
-def _describe_shape(word: int) -> str:
-    return f"{word & ((1 << 56) - 1)} entries of {_CODE_DTYPES.get(word >> 56, 'unknown dtype')}"
+__all__ = ["ExchangeWork", "default_two_phase", "exchange_bytes_per_rank"]
 
 
 class ExchangeWork:
@@ -280,11 +97,11 @@ class ExchangeWork:
         world_size, rank = group_size_rank(group)
         if agree_sizes and world_size > 1:
             agree(
-                {"entries": flat.numel(), "dtype": _DTYPE_CODES[flat.dtype], "tag": tag & ((1 << 63) - 1)},
+                {"entries": flat.numel(), "dtype": DTYPE_CODES[flat.dtype], "tag": tag & ((1 << 63) - 1)},
                 group,
                 what=label or "the same collective",
                 device=flat.device,
-                describe={"dtype": lambda code: str(_CODE_DTYPES.get(code, "unknown dtype"))},
+                describe={"dtype": lambda code: describe_shape(code << 56).split(" of ")[1]},
                 stats=stats,
             )
         self._encoding, self._group, self._stats = encoding, group, stats
@@ -301,10 +118,10 @@ class ExchangeWork:
         nonfinite = torch.as_tensor(enc.nonfinite, device=flat.device)
         if input_nonfinite is not None:
             nonfinite = nonfinite | input_nonfinite.to(flat.device)
-        sends_extra = ((enc.codes >> 8).sum() > 0).to(torch.int64) * FLAG_SENDS_EXTRA
+        sends_extra = (extra_words(enc.codes).sum() > 0).to(torch.int64) * FLAG_SENDS_EXTRA
         header[:, 0] = enc.codes | nonfinite.to(torch.int64) * FLAG_NONFINITE | sends_extra
         header[:, 1] = enc.values
-        header[:, 2] = _shape_word(flat.numel(), flat.dtype)
+        header[:, 2] = shape_word(flat.numel(), flat.dtype)
         header[:, 3] = self._tag
         send = torch.cat([header, enc.rows], dim=1)  # [parts, 4 + S]
         self._time("pack_seconds", start)
@@ -337,7 +154,7 @@ class ExchangeWork:
         tags = [h[3] for h in headers]
         if len(set(shapes)) > 1 or len(set(tags)) > 1:
             described = "; ".join(
-                f"rank {r}: {_describe_shape(s)}, tag {t}" for r, (s, t) in enumerate(zip(shapes, tags))
+                f"rank {r}: {describe_shape(s)}, tag {t}" for r, (s, t) in enumerate(zip(shapes, tags))
             )
             raise VoteMismatchError(
                 f"ranks entered {self._label or 'the same collective'} with different tensors ({described}); "
@@ -384,14 +201,14 @@ class ExchangeWork:
             if self._nonfinite == "raise":
                 raise NonFiniteError(f"NaN or Inf in {self._label or 'the voted tensor'} on rank(s) {bad_ranks}")
             return
-        codes = [h[0] & ~_EXCHANGE_FLAGS for h in headers]
-        lengths = [c >> 8 for c in codes]
+        codes = [h[0] & ~EXCHANGE_FLAGS for h in headers]
+        lengths = [extra_words(c) for c in codes]
         enc = self._encoded
         extras: list = [None] * M
         if any(h[0] & FLAG_SENDS_EXTRA for h in headers):  # the same decision on every rank
             if plan.two_phase:
                 sending = enc.codes.tolist()  # one read for all destinations
-                mine = [enc.extra(d, sending[d]) if sending[d] >> 8 else self._nothing() for d in range(M)]
+                mine = [enc.extra(d, sending[d]) if extra_words(sending[d]) else self._nothing() for d in range(M)]
                 extras = self._exchange_extras(lengths, mine, broadcast=False)
             else:
                 own = enc.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
@@ -423,7 +240,7 @@ class ExchangeWork:
             self._work.wait()
             headers = self._recv[:, :GATHER_HEADER_WORDS].tolist()  # host sync: extras' sizes
             codes = [h[0] for h in headers]
-            lengths = [c >> 8 for c in codes]
+            lengths = [extra_words(c) for c in codes]
             extras: list = [None] * plan.world_size
             if any(lengths):
                 own = self._reduced.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
@@ -436,7 +253,7 @@ class ExchangeWork:
             start = time.perf_counter()
             reduced = self._reduced
             code, value = torch.stack([reduced.codes[0], reduced.values[0]]).tolist()  # one host sync
-            extras = [reduced.extra(0, code) if code >> 8 else None]
+            extras = [reduced.extra(0, code) if extra_words(code) else None]
             self._encoding.decode(reduced.rows, [code], [value], extras, plan, self._out)
             self._time("unpack_seconds", start)
         self._stage = 2

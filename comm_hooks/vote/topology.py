@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .exchange import gather_rows, group_size_rank
+from ..dist import gather_rows, group_size_rank
 
 __all__ = ["NodeLayout", "node_layout"]
 

@@ -11,16 +11,16 @@ In the common dense case no entry is exactly 0 and the ``positive`` plane alone 
 NaN compares false with 0, so a NaN entry packs as "not positive, nonzero", i.e. -1.
 
 The byte-level functions here serve users and tests; they run on the kernels of
-:mod:`signmuon.comm_hooks.kernels` (numba on CPU, Triton on CUDA). The ``*_reference``
-functions are slow, obviously-correct Python loops the tests hold the fast paths to.
+:mod:`signmuon.comm_hooks.kernels` (numba on CPU, Triton on CUDA). The tests hold them to
+byte views of ``kernels.reference``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import kernels_for, reference
-from .kernels.layout import FLOAT_LAYOUTS
+from ..kernels import kernels_for
+from ..kernels.layout import FLOAT_LAYOUTS
 
 __all__ = [
     "packed_size",
@@ -30,11 +30,9 @@ __all__ = [
     "pack_planes_checked",
     "unpack_signs",
     "bits_to_bytes",
-    "nonfinite_flag",
     "check_float",
-    "pack_signs_reference",
-    "pack_nonzero_reference",
-    "unpack_signs_reference",
+    "as_bytes",
+    "as_words",
 ]
 
 
@@ -54,22 +52,6 @@ def check_float(x, what: str = "tensor") -> torch.Tensor:
     return x.detach().reshape(-1).contiguous()
 
 
-def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor: does ``tensor`` hold NaN or ±Inf? (No host synchronisation on a GPU.)
-
-    One summing pass (about half a memcpy): a sum is finite when every entry is, and an
-    infinite sum of finite entries (overflow) is rare enough to settle with the entry-wise
-    check only then. fp16 sums in float32, whose range its values cannot overflow.
-    """
-    if tensor.device.type != "cpu":  # one fused pass and no host synchronisation
-        return ~torch.isfinite(tensor).all()
-    total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
-    bad = ~torch.isfinite(total)
-    if bool(bad):
-        bad = ~torch.isfinite(tensor).all()
-    return bad
-
-
 def bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
     """bool[n] -> uint8[ceil(n/8)], little bit order, high bits of the last byte clear."""
     words = -(-bits.numel() // 64) or 1
@@ -79,7 +61,7 @@ def bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
     return (plane.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)[: packed_size(bits.numel())]
 
 
-def _as_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
+def as_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
     """int64 words -> uint8 [ceil(numel/8)], padding bits of the last byte cleared."""
     out = words.view(torch.uint8)[: packed_size(numel)].clone()
     if numel % 8:
@@ -87,7 +69,7 @@ def _as_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-def _as_words(packed: torch.Tensor, numel: int) -> torch.Tensor:
+def as_words(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """uint8 packed bits -> int64 words (a copy, to get 8-byte alignment)."""
     words = max(1, -(-numel // 64))
     buf = torch.zeros(words * 8, dtype=torch.uint8, device=packed.device)
@@ -105,25 +87,25 @@ def pack_planes_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     """``(positive, nonzero, nonfinite)``: both planes and a 0-d bool "holds NaN or Inf",
     in one pass over ``x`` (what each rank does to its gradient before a vote)."""
     n, (positive, nonzero, _, nonfinite) = _pack(x)
-    return _as_bytes(positive, n), _as_bytes(nonzero, n), torch.as_tensor(nonfinite)
+    return as_bytes(positive, n), as_bytes(nonzero, n), torch.as_tensor(nonfinite)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Pack ``x > 0`` into ``uint8[ceil(x.numel() / 8)]`` (see the module docstring)."""
     n, (positive, _, _, _) = _pack(x)
-    return _as_bytes(positive, n)
+    return as_bytes(positive, n)
 
 
 def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
     """Pack ``x != 0`` into ``uint8[ceil(x.numel() / 8)]``."""
     n, (_, nonzero, _, _) = _pack(x)
-    return _as_bytes(nonzero, n)
+    return as_bytes(nonzero, n)
 
 
 def pack_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pack_signs(x), pack_nonzero(x))`` in one pass over ``x``."""
     n, (positive, nonzero, _, _) = _pack(x)
-    return _as_bytes(positive, n), _as_bytes(nonzero, n)
+    return as_bytes(positive, n), as_bytes(nonzero, n)
 
 
 def unpack_signs(
@@ -150,25 +132,6 @@ def unpack_signs(
     elif out.numel() != numel or not out.is_contiguous() or out.dtype not in FLOAT_LAYOUTS:
         raise ValueError(f"out must be a contiguous float tensor of {numel} entries")
     if numel:
-        nz = None if nonzero is None else _as_words(nonzero, numel)
-        kernels_for(out.device).unpack(_as_words(positive, numel), nz, out.view(-1))
+        nz = None if nonzero is None else as_words(nonzero, numel)
+        kernels_for(out.device).unpack(as_words(positive, numel), nz, out.view(-1))
     return out
-
-
-# --- slow, obviously-correct references (byte views of ``kernels.reference``) -------------
-
-
-def pack_signs_reference(x: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`pack_signs`: a Python loop over the entries."""
-    return _as_bytes(reference.pack(x)[0], x.numel())
-
-
-def pack_nonzero_reference(x: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`pack_nonzero`."""
-    return _as_bytes(reference.pack(x)[1], x.numel())
-
-
-def unpack_signs_reference(positive: torch.Tensor, numel: int, nonzero: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for :func:`unpack_signs`, returning float32 on CPU."""
-    nz = None if nonzero is None else _as_words(nonzero.cpu(), numel)
-    return reference.unpack(_as_words(positive.cpu(), numel), nz, numel).float()

@@ -1,0 +1,249 @@
+"""The training benchmark's methods, one name each: how a freshly initialised network becomes
+the model, optimizer and statistics one rank trains with (:class:`Setup`), per method name in
+:data:`METHODS`; and the run's settings (:class:`TrainConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
+from signmuon.optim import (
+    DPPFAverager,
+    MuonWithAdamW,
+    SignMuon,
+    SignumMV,
+    local_sgd,
+    muon_param_groups,
+)
+
+__all__ = ["LOCAL_SGD_PULL_PUSH", "METHODS", "Method", "Setup", "TrainConfig"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    steps: int = 300
+    """Optimizer steps (every rank takes the same number)."""
+    batch_size: int = 64
+    """Global batch; each of M ranks takes batch_size // M examples per step."""
+    seed: int = 0
+    """Model initialisation and data order; equal seeds give equal runs."""
+    eval_every: int = 100
+    """Steps between evaluations on the held-out split."""
+    byzantine: int = 0
+    """Ranks 0..k-1 send flipped signs to the vote (sign-vote methods; robustness runs)."""
+    task: str = "digits"
+    """``digits``, ``charlm`` or ``cifar10``."""
+    data_dir: str | None = None
+    """Where a task that reads from disk finds its data (cifar10)."""
+    device: str = "cpu"
+    """Where to train: ``cpu``, or ``cuda`` (each rank on its LOCAL_RANK's GPU)."""
+    arch: str = "resnet18"
+    """cifar10's model: ``resnet18`` or ``resnet50``."""
+    progress: bool = False
+    """Show a progress bar on rank 0."""
+    ranks_per_node: int | None = None
+    """L for the node-aware (``*_node``) methods; None reads torchrun's LOCAL_WORLD_SIZE."""
+    lr_scale: float = 1.0
+    """Multiplies every learning rate of the method (the learning-rate sweep's knob), on top of
+    the tuned factor when ``tuned_lr``."""
+    tuned_lr: bool = True
+    """Start from the factor the learning-rate sweep chose for this task and method
+    (``benchmarks/tuned.py``); False: the method's default learning rate."""
+    size: str = "small"
+    """charlm's model size (``small``, ``medium``: about 14M parameters)."""
+    clip_grad_norm: float | None = None
+    """``clip_grad_norm_(max_norm)`` before each step, as nanoGPT does (None: no clipping)."""
+    pull_push: tuple[float, float] | None = None
+    """(pull, push) for the DPPF methods instead of their own (the pull/push sweep's knob);
+    local SGD (pull 1, push 0) keeps its own."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Setup:
+    """A method's training objects on one rank."""
+
+    model: nn.Module
+    """What the training loop calls (DDP-wrapped)."""
+    optimizer: torch.optim.Optimizer
+    """What the training loop steps."""
+    stats: CommStats
+    """Counts the bytes this rank sends."""
+    averager: DPPFAverager | None = None
+    """For local SGD / DPPF: evaluation uses its consensus model (the workers' average)."""
+    votes: bool = False
+    """Whether the gradients go through our vote, whose pack / vote / unpack / wait are timed."""
+
+
+def _ddp(net: nn.Module) -> DDP:
+    """DDP on whatever device the network was put on."""
+    device = next(net.parameters()).device
+    return DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+# A method turns the freshly initialised network into its Setup.
+Method = Callable[[nn.Module, TrainConfig], Setup]
+
+
+def _fault(config: TrainConfig) -> ByzantineFault | None:
+    return ByzantineFault(ranks=tuple(range(config.byzantine))) if config.byzantine else None
+
+
+def _ddp_allreduce(make_opt, routed: bool = False) -> Method:
+    """DDP's fp32 all-reduce with ``make_opt(params, lr_scale)``; ``routed``: params are Muon's groups."""
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        params = muon_param_groups(net) if routed else net.parameters()
+        model = _ddp(net)
+        stats = CommStats()
+        model.register_comm_hook(stats, allreduce_hook)
+        return Setup(model=model, optimizer=make_opt(params, config.lr_scale), stats=stats)
+
+    return build
+
+
+def _powersgd_bytes(bucket: dist.GradBucket, rank: int, world_size: int, min_compression_rate: float = 2.0) -> int:
+    """Ring bytes of torch's PowerSGD for one bucket: P and Q for the matrices it compresses,
+    the raw values of the tensors it does not (its own ``_should_compress`` rule)."""
+    elements = 0
+    for g in bucket.gradients():
+        matrix = g.reshape(g.shape[0], -1) if g.dim() > 1 else None
+        if matrix is not None and matrix.numel() >= (sum(matrix.shape) * rank) * min_compression_rate:
+            elements += sum(matrix.shape) * rank
+        else:
+            elements += g.numel()
+    return 2 * (world_size - 1) * elements * 4 // world_size
+
+
+def _ddp_powersgd(rank: int, make_opt) -> Method:
+    """torch's PowerSGD hook (error feedback, 2 warm-up iterations) with AdamW.
+
+    On gloo torch's hook issues collectives from future callbacks, which can abort a run
+    with a "collective mismatch"; NCCL is unaffected.
+    """
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        model = _ddp(net)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        stats = CommStats()
+        world_size = dist.get_world_size()
+
+        def counting_hook(state, bucket):  # unannotated: DDP checks annotations as objects
+            compressed = state.iter >= state.start_powerSGD_iter
+            nbytes = _powersgd_bytes(bucket, rank, world_size) if compressed else (
+                2 * (world_size - 1) * bucket.buffer().numel() * 4 // world_size)  # fmt: skip
+            stats.add(nbytes, nbytes)
+            return powerSGD_hook.powerSGD_hook(state, bucket)
+
+        model.register_comm_hook(state, counting_hook)
+        return Setup(model=model, optimizer=make_opt(model.parameters(), config.lr_scale), stats=stats)
+
+    return build
+
+
+def _ddp_half(dtype: torch.dtype, make_opt) -> Method:
+    """torch's fp16 / bf16 compression hook (a half-precision all-reduce) with ``make_opt``."""
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.fp16_compress_hook if dtype == torch.float16 else default_hooks.bf16_compress_hook
+        model = _ddp(net)
+        stats = CommStats()
+        world_size = dist.get_world_size()
+
+        def counting_hook(state, bucket):  # unannotated: DDP checks annotations as objects
+            nbytes = 2 * (world_size - 1) * bucket.buffer().numel() * 2 // world_size  # ring, 2-byte entries
+            stats.add(nbytes, nbytes)
+            return hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+        return Setup(model=model, optimizer=make_opt(model.parameters(), config.lr_scale), stats=stats)
+
+    return build
+
+
+def _vote(config: TrainConfig, node_aware: bool) -> VoteConfig:
+    if node_aware:
+        return VoteConfig(fault=_fault(config), hierarchical=True, ranks_per_node=config.ranks_per_node)
+    return VoteConfig(fault=_fault(config))
+
+
+def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Method:
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        model = _ddp(net)
+        state = SignVoteState(momentum=momentum, start_iter=1, vote=_vote(config, node_aware))
+        model.register_comm_hook(state, sign_vote_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr * config.lr_scale)
+        return Setup(model=model, optimizer=optimizer, stats=state.stats, votes=True)
+
+    return build
+
+
+def _ddp_sign_muon(node_aware: bool = False, optimizer: type[SignMuon] = SignMuon, **options) -> Method:
+    """SignMuon (or SignumMV / SignSGDMV) with its own DDP hook; its step takes the sign of
+    .grad, so --clip-grad-norm changes nothing (unlike the bare hook's SGD)."""
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        scaled = {**options, "lr": options["lr"] * config.lr_scale}
+        # SignMuon: embeddings and the head on the Signum path, as Muon users route them.
+        params = muon_param_groups(net) if optimizer is SignMuon else net.parameters()
+        opt = optimizer(params, vote=_vote(config, node_aware), **scaled)
+        model = _ddp(net)
+        opt.register_comm_hook(model)
+        return Setup(model=model, optimizer=opt, stats=opt.comm_state.stats, votes=True)
+
+    return build
+
+
+LOCAL_SGD_PULL_PUSH = (1.0, 0.0)  # (pull, push) of plain periodic averaging
+
+
+def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
+    """Local SGD with momentum; pull=1, push=0 is plain periodic averaging, else DPPF."""
+
+    is_dppf = (pull, push) != LOCAL_SGD_PULL_PUSH
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        model = _ddp(net)
+        pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
+        averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net)
+        opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05 * config.lr_scale, momentum=0.9), averager)
+        return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
+
+    return build
+
+
+METHODS: dict[str, Method] = {
+    "adamw": _ddp_allreduce(lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "sgd": _ddp_allreduce(lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9)),
+    "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
+    "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
+    "signum_mv_optim": _ddp_sign_muon(optimizer=SignumMV, lr=1e-3, momentum=0.9),
+    "muon_adamw": _ddp_allreduce(lambda p, s: MuonWithAdamW(p, lr=0.02 * s, adamw_lr=2e-3 * s), routed=True),
+    "powersgd_adamw": _ddp_powersgd(4, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "fp16_adamw": _ddp_half(torch.float16, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "bf16_adamw": _ddp_half(torch.bfloat16, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "signmuon": _ddp_sign_muon(lr=2e-3),
+    "signmuon_polar": _ddp_sign_muon(lr=2e-3, polar_after_vote=True),
+    # Per-layer step sizes: the SignMuon paper's lr/sqrt(fan_in), and Muon's own lr kept.
+    "signmuon_fan_in": _ddp_sign_muon(lr=0.016, lr_scaling="fan_in"),
+    "signmuon_muon_lr": _ddp_sign_muon(lr=0.02, lr_scaling="muon"),
+    "signum_mv_node": _ddp_sign_vote(momentum=0.9, lr=1e-3, node_aware=True),
+    "signmuon_node": _ddp_sign_muon(node_aware=True, lr=2e-3),
+    "local_sgd_8": _local_sgd(8),
+    "local_sgd_32": _local_sgd(32),
+    "dppf_8": _local_sgd(8, pull=0.5, push=0.05),
+    "dppf_32": _local_sgd(32, pull=0.5, push=0.05),
+    "dppf_8_wide": _local_sgd(8, pull=0.5, push=0.2),
+    "dppf_32_wide": _local_sgd(32, pull=0.5, push=0.2),
+}

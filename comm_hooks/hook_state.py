@@ -1,0 +1,378 @@
+"""What every DDP vote hook keeps: settings, consistency checks, parameter keys, the votes in
+flight and statistics (:class:`VoteHookState`), picklable without its process group."""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import collections
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
+from .kernels.layout import SignSegments
+from .vote import NodeLayout, NodeVoteWork, VoteConfig, VoteWork, majority_vote_async, node_layout
+
+__all__ = ["VoteHookState", "VotePipeline", "bucket_segments", "watch_first_step"]
+
+logger = logging.getLogger(__name__)
+
+
+class VotePipeline:
+    """The votes of one backward pass still in flight, oldest first, advanced a stage at a time.
+
+    Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
+    issues the same sequence; a vote's second exchange thus overlaps the next bucket's
+    backward. A ``NonFiniteError`` (raised on every rank alike) goes to ``defer`` and the bucket
+    is zeroed; any other error fails every pending future, so DDP never waits forever.
+    """
+
+    __slots__ = ("_pending", "_defer")
+
+    def __init__(self, defer: Callable[[NonFiniteError], None]) -> None:
+        self._pending: collections.deque[tuple[VoteWork | NodeVoteWork, torch.futures.Future, Callable | None]] = (
+            collections.deque()
+        )
+        self._defer = defer
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, work, fut: torch.futures.Future, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Track ``work``, whose result (mapped by ``finish``) completes DDP's ``fut``."""
+        self._pending.append((work, fut, finish))
+
+    def advance(self, drain: bool = False) -> None:
+        """Move every pending vote one stage on (all of them to the end if ``drain``)."""
+        remaining: collections.deque = collections.deque()
+        try:
+            for work, fut, finish in self._pending:
+                if drain or work.exchanged:
+                    voted = self._advance(work, to_end=True)
+                    fut.set_result(voted if finish is None else finish(voted))
+                else:
+                    self._advance(work, to_end=False)
+                    remaining.append((work, fut, finish))
+        except BaseException as error:
+            for _, fut, _ in self._pending:
+                if not fut.done():
+                    fut.set_exception(error)
+            self._pending.clear()
+            raise
+        self._pending = remaining
+
+    def _advance(self, work, to_end: bool) -> torch.Tensor | None:
+        try:
+            return work.wait() if to_end else work.exchange()
+        except NonFiniteError as error:  # raised on every rank alike; the work is now skipped
+            self._defer(error)
+            return work.wait() if to_end else None
+
+
+class VoteHookState:
+    """What every vote hook keeps: settings, the votes in flight, and statistics.
+
+    Args:
+        process_group: the group to vote over; ``None`` is the default (WORLD) group.
+        vote: the vote's settings (:class:`VoteConfig`: tie mode, seed, algorithm, kernels, and
+            ``nonfinite``: when any rank's bucket holds NaN or Inf, ``"skip"`` gives every rank a
+            zero gradient for that bucket, counted in ``stats.skipped``, and ``"raise"`` raises
+            ``NonFiniteError`` on every rank naming the ranks and the bucket; learnt in the
+            vote's first exchange at no extra round trip; a rank whose own gradient is
+            non-finite leaves its momentum untouched).
+        check_replicas_every: every this many iterations (0 = never), each bucket's parameters
+            are compared across ranks (a checksum all-gather) before voting; a divergence
+            raises ``ReplicaDivergenceError`` naming the first differing tensor.
+
+    Tie-break coins are keyed to (seed, iteration, parameter, position), so they do not depend
+    on DDP's bucket layout; each vote's header carries (iteration, bucket), so ranks whose
+    states disagree raise ``VoteMismatchError`` instead of voting different buckets together.
+
+    At its first call the hook compares all ranks' settings (one digest all-gather) and
+    raises ``SettingsMismatchError`` on every rank if any differ. At the first bucket of every
+    iteration it compares the iteration counters and that bucket's size (one all-gather of three
+    words), so a rank resumed from a stale state raises ``VoteMismatchError`` on every rank
+    before warm-up all-reduces, votes and replica checks could pair up wrongly.
+
+    ``NonFiniteError`` (``nonfinite="raise"``) leaves training usable: the hook hands DDP a zero
+    gradient for the bucket, so DDP finishes its backward pass normally, and the error is raised
+    from ``loss.backward()`` once DDP is done, the same in warm-up and voting iterations. Catch
+    it, zero the gradients and take the next batch.
+    """
+
+    __slots__ = (
+        "process_group", "vote_config", "check_replicas_every",  # settings
+        "iter", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "raise_queued",
+        "layout",  # internal state
+        "stats", "raised", "buckets_seen",  # statistics
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        vote: VoteConfig | None = None,
+        check_replicas_every: int = 0,
+    ) -> None:
+        vote = VoteConfig.of(vote)
+        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
+            raise ValueError(f"check_replicas_every={check_replicas_every!r} must be a non-negative int (0 = never)")
+        self.vote_config = vote
+        self.check_replicas_every = check_replicas_every
+        self.settings_checked = False
+        self.process_group = process_group
+        self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
+        self.iter = 0
+        self.bucket_calls = 0  # hook calls so far in this iteration
+        self.deferred_error: NonFiniteError | None = None  # raised once DDP's backward is done
+        self.raise_queued = False  # whether a callback will raise it at the end of backward
+        self.layout: NodeLayout | None = None  # node and rail groups (hierarchical), made at the first call
+        self.pending = VotePipeline(self.defer)  # this backward pass's votes still in flight
+        self.stats = CommStats()
+        self.raised = 0  # iterations whose backward raised NonFiniteError
+        self.buckets_seen = 0  # hook calls ever (check_called_by_first_step reads it)
+
+    def settings(self) -> dict:
+        """What must be equal on every rank (compared once, at the first hook call)."""
+        return {"hook": type(self).__name__, **self.vote_config.settings(), "check_replicas_every": self.check_replicas_every}
+
+    @property
+    def nonfinite(self) -> str:
+        return self.vote_config.nonfinite
+
+    def node_layout(self) -> NodeLayout | None:
+        """The node layout of the node-aware vote, or None for the flat vote (also when there is
+        one node or one rank per node). Made at the first call, on every rank alike."""
+        if not self.vote_config.hierarchical:
+            return None
+        if self.layout is None:
+            self.layout = node_layout(self.process_group, self.vote_config.ranks_per_node)
+        return None if self.layout.flat else self.layout
+
+    def begin_bucket(self, bucket: dist.GradBucket) -> None:
+        """Consistency checks at the start of each hook call (collectives on this thread)."""
+        flat = bucket.buffer()
+        device = flat.device
+        if not self.settings_checked:
+            check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
+            self.settings_checked = True
+        if self.bucket_calls == 0:
+            self.node_layout()
+            agree(
+                {"iteration": self.iter, "bucket": bucket.index(), "entries": flat.numel()},
+                self.process_group,
+                what=f"{type(self).__name__}'s first bucket of an iteration",
+                device=device,
+                stats=self.stats,
+            )
+            if self.nonfinite == "raise":
+                self.raise_queued = _raise_after_backward(self)
+        self.bucket_calls += 1
+        self.buckets_seen += 1
+        if self.check_replicas_every and self.iter % self.check_replicas_every == 0:
+            params = bucket.parameters()
+            names = [f"bucket {bucket.index()} parameter {j} (shape {tuple(p.shape)})" for j, p in enumerate(params)]
+            check_replicas(params, self.process_group, names=names)
+
+    def check_called_by_first_step(self, optimizer: torch.optim.Optimizer, fix: str = "") -> None:
+        """Raise ``RuntimeError`` at ``optimizer``'s first step if the hook has not run by then.
+
+        Frameworks can drop a registered hook without a word (one registers comm hooks on CUDA
+        only, one ignores hooks it does not know): training then goes on with unreduced local
+        gradients and the replicas drift apart. ``fix`` (what to do in the framework at hand)
+        ends the message. Checked once; later steps are not watched. A step given a closure
+        (Lightning's) runs backward inside ``step()``, so that step is checked when it returns.
+        """
+        watch_first_step(self, optimizer, fix)
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        # The last bucket is reduced last, so the count moves once per synchronised step.
+        if bucket.is_last():
+            self.iter += 1
+            self.bucket_calls = 0
+
+    def defer(self, error: NonFiniteError) -> None:
+        """Keep ``error`` to raise after DDP's backward (raising inside DDP would break it)."""
+        if not self.raise_queued:
+            raise error  # not inside a backward pass: nothing to protect
+        if self.deferred_error is None:
+            self.deferred_error = error
+
+    def param_key(self, param: torch.Tensor) -> int:
+        """A parameter's stable key: its order of first appearance to this state.
+
+        DDP's first bucket layout is the same in every process of a model, so keys survive a
+        restart even though DDP re-buckets after the first iteration.
+        """
+        return self.param_keys.setdefault(param, len(self.param_keys))
+
+    def segments(self, bucket: dist.GradBucket, voted: list[bool] | None = None) -> SignSegments:
+        """The bucket's (voted) parameters as keyed pieces of the voted flat tensor."""
+        return bucket_segments(bucket, self.param_key, voted)
+
+    def vote(
+        self,
+        bucket: dist.GradBucket,
+        voter: torch.Tensor,
+        out: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        voted: list[bool] | None = None,
+        input_nonfinite: torch.Tensor | None = None,
+        prepare: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
+
+        ``finish`` maps the voted tensor to the bucket's final tensor (default: the vote);
+        ``voted`` marks which of the bucket's parameters ``voter`` holds (default: all);
+        ``input_nonfinite`` (0-d bool) flags a non-finite gradient behind a finite ``voter``.
+        Node-aware (``VoteConfig(hierarchical=True)``): ``voter`` is the gradient, averaged in
+        the node first, and ``prepare`` maps that node mean to (what to vote, non-finite flag).
+        """
+        self.pending.advance()
+        layout = self.node_layout()
+        label, tag = f"bucket {bucket.index()} (iteration {self.iter})", (self.iter << 20) | bucket.index()
+        work: VoteWork | NodeVoteWork
+        if layout is not None:
+            work = NodeVoteWork(
+                voter, layout, self.vote_config, out=out, step=self.iter, segments=self.segments(bucket, voted),
+                stats=self.stats, label=label, tag=tag, prepare=prepare,
+            )  # fmt: skip
+        else:
+            work = majority_vote_async(
+                voter,
+                self.process_group,
+                self.vote_config.rail,  # flat: one node, or one rank per node
+                step=self.iter,
+                segments=self.segments(bucket, voted),
+                out=out,
+                stats=self.stats,
+                label=label,
+                tag=tag,
+                input_nonfinite=input_nonfinite,
+                agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
+            )
+        grad = bucket.buffer()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
+        self.pending.add(work, fut, finish)
+        if bucket.is_last():
+            self.pending.advance(drain=True)  # DDP calls no further hook in this backward
+        self.maybe_increase_iter(bucket)
+        return fut
+
+    # -- checkpointing -------------------------------------------------------------------
+
+    _UNPICKLED = (
+        "process_group", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "raise_queued",
+        "layout",
+    )  # fmt: skip
+
+    @classmethod
+    def _all_slots(cls) -> list[str]:
+        return [slot for klass in cls.__mro__ for slot in getattr(klass, "__slots__", ())]
+
+    def __getstate__(self) -> dict:
+        # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
+        logger.warning(f"{type(self).__name__}: the process group is not serializable and is left out of the saved state")
+        return {slot: getattr(self, slot) for slot in self._all_slots() if slot not in self._UNPICKLED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = None
+        self.pending = VotePipeline(self.defer)
+        self.settings_checked = False
+        self.param_keys = {}
+        self.bucket_calls = 0
+        self.deferred_error = None
+        self.raise_queued = False
+        self.layout = None
+        self.buckets_seen = 0
+        logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    def state_dict(self) -> dict:
+        """Iteration count, world size and statistics (plain types and tensors: loads with
+        ``torch.load(..., weights_only=True)``)."""
+        world_size, _ = group_size_rank(self.process_group)
+        return {"iter": self.iter, "world_size": world_size, "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict`; raises ValueError if it was saved on another world size."""
+        world_size, _ = group_size_rank(self.process_group)
+        saved = int(state_dict.get("world_size", world_size))
+        if saved != world_size:
+            raise ValueError(
+                f"the hook state was saved by one of {saved} ranks, and {world_size} ranks are loading it: "
+                "each rank's momentum is its own, so resume on the same number of ranks"
+            )
+        self.iter = int(state_dict["iter"])
+        self.stats.load_state_dict(state_dict["stats"])
+
+
+def _raise_after_backward(state: VoteHookState) -> bool:
+    """Queue a check that raises ``state.deferred_error`` after DDP has finished this backward.
+
+    DDP queues its own end-of-backward callback only after the last bucket's hook has run, so a
+    callback queued now runs before DDP's; that one queues the check, which thus runs after it.
+    Returns False outside a backward pass (a hook called by hand), where nothing is queued.
+    """
+    engine = torch.autograd.Variable._execution_engine
+
+    def check() -> None:
+        error, state.deferred_error = state.deferred_error, None
+        if error is not None:
+            state.raised += 1
+            raise error
+
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(check))
+    except RuntimeError:
+        return False
+    return True
+
+
+def bucket_segments(
+    bucket: dist.GradBucket, param_key: Callable[[torch.Tensor], int], voted: list[bool] | None = None
+) -> SignSegments:
+    """The bucket's parameters (those marked in ``voted``, concatenated in bucket order) as
+    pieces of the voted flat tensor, keyed by ``param_key`` (so tie coins follow parameters,
+    not bucket layouts)."""
+    flat = bucket.buffer()
+    pieces = []
+    for j, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
+        if voted is None or voted[j]:
+            pieces.append(((g.data_ptr() - flat.data_ptr()) // flat.element_size(), g.numel(), param_key(p)))
+    if voted is not None:  # the voted parameters are concatenated in bucket order
+        offset, packed = 0, []
+        for _, numel, key in sorted(pieces):
+            packed.append((offset, numel, key))
+            offset += numel
+        pieces, total = packed, offset
+    else:
+        pieces, total = sorted(pieces), flat.numel()
+    if not pieces:
+        return SignSegments.whole(total)
+    starts = [0] + [offset for offset, _, _ in pieces[1:]] + [total]
+    return SignSegments(tuple(starts), tuple(key for _, _, key in pieces))
+
+
+def watch_first_step(state: "VoteHookState", optimizer: torch.optim.Optimizer, fix: str) -> None:
+    """Hooks on ``optimizer``'s step that raise at its first step if ``state``'s hook has not run."""
+    seen = state.buckets_seen
+    handles: list = []
+
+    def check(opt: torch.optim.Optimizer) -> None:
+        for handle in handles:
+            handle.remove()
+        if state.buckets_seen == seen:
+            raise RuntimeError(
+                f"{type(opt).__name__}.step(): the {type(state).__name__} communication hook has not run since it "
+                "was registered, so the gradients were never voted and each rank would train alone. "
+                + (fix or "Register it on the DistributedDataParallel model that runs the backward pass.")
+            )
+
+    def before(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not args and kwargs.get("closure") is None:
+            check(opt)
+
+    handles.append(optimizer.register_step_pre_hook(before))
+    handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: check(opt)))

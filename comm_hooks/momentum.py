@@ -1,0 +1,27 @@
+"""Signum's momentum, the one implementation every path shares (the DDP hook per bucket, the
+node-aware vote on node means, the sign-vote optimizers per parameter)."""
+
+from __future__ import annotations
+
+import torch
+
+from .dist import nonfinite_flag
+
+__all__ = ["advance_momentum"]
+
+
+def advance_momentum(buf: torch.Tensor, grad: torch.Tensor, beta: float) -> torch.Tensor:
+    """``buf <- beta*buf + (1-beta)*grad`` (as ``buf.lerp_(grad, 1-beta)``, torch's Muon form)
+    unless ``grad`` holds NaN or Inf; returns that flag (0-d bool).
+
+    A non-finite gradient never enters the momentum; the flag goes into the vote's header so
+    every rank skips the bucket. On CPU the check is one summing pass; on a GPU the update is a
+    select on the device (no host synchronisation).
+    """
+    bad = nonfinite_flag(grad)
+    if buf.device.type == "cpu":
+        if not bool(bad):
+            buf.lerp_(grad.to(buf.dtype), 1.0 - beta)
+    else:
+        buf.copy_(torch.where(bad, buf, buf.lerp(grad.to(buf.dtype), 1.0 - beta)))
+    return bad

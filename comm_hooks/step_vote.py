@@ -1,0 +1,131 @@
+"""The communication of an optimizer that votes inside ``step()`` instead of in a DDP hook
+(``vote_in_step=True``: data parallelism without DDP, e.g. an engine whose own all-reduce is
+off). Flat or node-aware, as the :class:`VoteConfig` says; the math stays the caller's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .dist import (
+    CommStats,
+    VoteMismatchError,
+    check_same_settings,
+    flatten,
+    gather_rows,
+    group_size_rank,
+    mean_all_reduce,
+    split_like,
+)
+from .kernels.layout import SignSegments
+from .vote import NodeLayout, VoteConfig, majority_vote, node_layout, vote_owned, world_mean
+
+__all__ = ["StepVoter"]
+
+
+class StepVoter:
+    """Votes and means for one optimizer's ``step()`` across ``group``.
+
+    Args:
+        group: the voting ranks (None = WORLD).
+        config: the vote's settings; ``hierarchical`` makes every call node-aware.
+        stats: where bytes are counted.
+    """
+
+    __slots__ = ("group", "config", "stats", "_layout", "_settings_checked")
+
+    def __init__(self, group: dist.ProcessGroup | None, config: VoteConfig, stats: CommStats) -> None:
+        self.group, self.config, self.stats = group, config, stats
+        self._layout: NodeLayout | None = None
+        self._settings_checked = False
+
+    @property
+    def world_size(self) -> int:
+        return group_size_rank(self.group)[0]
+
+    def check_settings(self, settings: dict, what: str, device: torch.device) -> None:
+        """Compare ``settings`` across ranks, once (raises ``SettingsMismatchError`` on every rank)."""
+        if not self._settings_checked:
+            check_same_settings(settings, self.group, what=what, device=device)
+            self._settings_checked = True
+
+    def settings_changed(self) -> None:
+        """The caller's settings changed (a new param group): compare them again at the next step."""
+        self._settings_checked = False
+
+    def layout(self) -> NodeLayout | None:
+        """The node layout (made at the first call, on every rank alike), or None for the flat vote."""
+        if not self.config.hierarchical or self.world_size == 1:
+            return None
+        if self._layout is None:
+            self._layout = node_layout(self.group, self.config.ranks_per_node)
+        return None if self._layout.flat else self._layout
+
+    def used_on_any_rank(self, params: list[torch.Tensor], step: int, who: str) -> list[torch.Tensor]:
+        """``params`` with a gradient on some rank (the same list on every rank), after checking
+        that every rank is at the same ``step``: one all-gather of 1 + P words."""
+        device = params[0].device if params else "cpu"
+        row = torch.tensor([step] + [p.grad is not None for p in params], dtype=torch.int64, device=device)
+        rows = gather_rows(row, self.group, self.stats)  # [M, 1 + P]
+        steps = rows[:, 0].tolist()
+        if len(set(steps)) > 1:
+            raise VoteMismatchError(
+                f"{who}.step() entered at different steps ("
+                + "; ".join(f"rank {r}: step {s}" for r, s in enumerate(steps)) + "): resume every rank from the same checkpoint"
+            )
+        used = rows[:, 1:].any(dim=0).tolist()
+        return [p for p, u in zip(params, used) if u]
+
+    def vote(
+        self,
+        grads: Sequence[torch.Tensor],
+        direction: Callable[[int, torch.Tensor], torch.Tensor],
+        owner: Callable[[int, int], int],
+        *,
+        present: Sequence[bool],
+        step: int,
+        label: str,
+    ) -> list[torch.Tensor]:
+        """The voted sign of each tensor's ``direction(i, grad)``, one vote for all of them.
+
+        Flat: every rank computes the directions of the tensors it has a gradient for
+        (``present``); elsewhere it abstains (votes 0, its momentum untouched). Node-aware: the
+        gradients (zeros where absent) are averaged in the node and tensor i's direction is
+        computed by its owner ``owner(i, L)`` alone (its momentum lives there), from the node mean.
+        """
+        if not grads:
+            return []
+        layout = self.layout()
+        if layout is not None:
+            voted = [g.clone() for g in grads]
+            vote_owned(
+                voted, direction, [owner(i, layout.ranks_per_node) for i in range(len(grads))], list(range(len(grads))),
+                layout, self.config, step=step, stats=self.stats, label=label, tag=step,
+            )  # fmt: skip
+            return voted
+        directions = [direction(i, g) if here else g for i, (g, here) in enumerate(zip(grads, present))]
+        flat = flatten(directions)
+        starts = [0]
+        for d in directions:
+            starts.append(starts[-1] + d.numel())
+        segments = SignSegments(tuple(starts), tuple(range(len(directions))))
+        majority_vote(
+            flat, self.group, self.config.rail, step=step, segments=segments, out=flat, stats=self.stats, label=label, tag=step,
+            agree_sizes=False,  # the voted list is agreed by used_on_any_rank, its shapes by the settings
+        )  # fmt: skip
+        return split_like(flat, directions)
+
+    def mean(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The full-precision mean of each tensor over the ranks (node-aware where configured)."""
+        if self.world_size == 1 or not grads:
+            return list(grads)
+        flat = flatten(grads)
+        layout = self.layout()
+        if layout is not None:
+            world_mean(flat, layout, self.stats)
+        else:
+            self.stats.calls += 1
+            mean_all_reduce(flat, self.group, self.stats)
+        return split_like(flat, grads)

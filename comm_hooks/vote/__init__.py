@@ -1,0 +1,36 @@
+"""The vote: its settings, the sign encoding, the exchange that moves encoded shards, the
+majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
+
+from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, VoteConfig
+from .faults import ByzantineFault
+from .node_vote import NodeVoteWork, matrix_cost, node_mean, owners, vote_owned, world_mean
+from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
+from .topology import NodeLayout, node_layout
+
+__all__ = [
+    "ALGORITHMS",
+    "ByzantineFault",
+    "KERNELS",
+    "NONFINITE_ACTIONS",
+    "NodeLayout",
+    "NodeVoteWork",
+    "TIE_MODES",
+    "VoteConfig",
+    "VoteWork",
+    "majority_vote",
+    "majority_vote_async",
+    "matrix_cost",
+    "node_layout",
+    "node_mean",
+    "owners",
+    "pack_nonzero",
+    "pack_planes",
+    "pack_planes_checked",
+    "pack_signs",
+    "packed_size",
+    "unpack_signs",
+    "vote_bytes_per_rank",
+    "vote_owned",
+    "world_mean",
+]

@@ -1,0 +1,94 @@
+"""Error-feedback scaled signs (1-bit Adam's compression) as an encoding of the exchange, for
+the DeepSpeed backend's ``compressed_allreduce``."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from ..kernels.layout import words_for
+from .encoding import EncodedRows
+from .wire import Plan
+
+__all__ = ["ScaledSignEncoding", "scaled_sign"]
+
+
+def scaled_sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, signs): ``scale = ||x|| / sqrt(n)`` and signs in {-1, +1}, with sign(0) = +1.
+
+    ``scale * signs`` has x's RMS (1-bit Adam's compression). Should the norm overflow for
+    finite input (entries near the dtype's maximum), it is taken of ``x / max|x|`` instead.
+    """
+    scale = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
+    if not bool(torch.isfinite(scale)) and bool(torch.isfinite(x).all()):
+        peak = x.abs().max()
+        scale = torch.linalg.vector_norm(x / peak) * (peak / math.sqrt(x.numel()))
+    signs = x.ge(0).to(x.dtype).mul_(2).sub_(1)
+    return scale, signs
+
+
+class ScaledSignEncoding:
+    """Error-feedback scaled sign (1-bit Adam's compression) as an encoding: each rank sends
+    ``scale * sign(x + worker_error)`` with ``scale = ||x + worker_error|| / sqrt(n)`` and keeps
+    the residual as its new worker error; the server part averages the M senders'
+    ``scale_i * sign_i``, compresses again with its own error feedback, and every rank decodes
+    ``scale_r * sign_r`` per part. ``sign(0) = +1``. The scale travels in the header's value word.
+
+    Args:
+        kernels: the kernel family.
+        worker_error: this rank's feedback buffer, as long as the encoded tensor (updated in ``encode``).
+        server_error: this rank's feedback buffer for its part (updated in ``reduce``).
+    """
+
+    __slots__ = ("kernels", "worker_error", "server_error")
+
+    def __init__(self, kernels: ModuleType, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+        self.kernels, self.worker_error, self.server_error = kernels, worker_error, server_error
+
+    def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
+        chunk = numel // world_size
+        return Plan(world_size, rank, numel, world_size, chunk, words_for(chunk), True)
+
+    def _signs_rows(self, rows: torch.Tensor, words: int) -> torch.Tensor:
+        """int64 [R, words]: bit set where the entry is >= 0 (NaN counts as negative)."""
+        packed = []
+        for row in rows:
+            positive, nonzero, _, _ = self.kernels.pack(row.contiguous(), words)
+            packed.append(positive | ~nonzero)
+        return torch.stack(packed)
+
+    def _unpack(self, row: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(numel, dtype=dtype, device=row.device)
+        self.kernels.unpack(row, None, out)
+        return out
+
+    def encode(self, flat: torch.Tensor, plan: Plan) -> EncodedRows:
+        flat = flat + self.worker_error
+        scale, signs = scaled_sign(flat)
+        self.worker_error.copy_(flat - scale * signs)
+        rows = self._signs_rows(flat.view(plan.parts, plan.part_entries), plan.words)
+        scale = scale.to(torch.float64).reshape(1).view(torch.int64).expand(plan.parts)
+        codes = torch.zeros(plan.parts, dtype=torch.int64, device=flat.device)
+        return EncodedRows(rows, codes, scale.contiguous(), ~torch.isfinite(flat).all(), None)
+
+    def reduce(self, rows, codes, values, extras, part, plan) -> EncodedRows:
+        dtype = self.server_error.dtype
+        scales = torch.tensor(values, dtype=torch.int64).view(torch.float64).to(dtype=dtype, device=rows.device)
+        signs = torch.stack([self._unpack(row, plan.part_entries, dtype) for row in rows])  # [M, chunk]
+        server = (signs * (scales / plan.world_size).unsqueeze(1)).sum(dim=0)
+        server.add_(self.server_error)
+        scale, server_signs = scaled_sign(server)
+        self.server_error.copy_(server - scale * server_signs)
+        zero = torch.zeros(1, dtype=torch.int64, device=rows.device)
+        value = scale.to(torch.float64).reshape(1).view(torch.int64)
+        return EncodedRows(self._signs_rows(server.unsqueeze(0), plan.words), zero, value, False, None)
+
+    def decode(self, rows, codes, values, extras, plan, out) -> None:
+        flat = out.view(-1)
+        scales = torch.tensor(values, dtype=torch.int64).view(torch.float64).tolist()
+        for r, (row, scale) in enumerate(zip(rows, scales)):
+            part = flat[r * plan.part_entries : (r + 1) * plan.part_entries]
+            self.kernels.unpack(row, None, part)
+            part.mul_(torch.tensor(scale, dtype=flat.dtype))

@@ -1,0 +1,364 @@
+"""The sign-vote optimizer: every update is the majority vote of the workers' signs.
+
+:class:`SignVoteOptimizer` holds what every sign-vote optimizer shares (state, routing of
+parameters, the step loop, the DDP hook, checkpoints); the math is the pure functions of
+:mod:`~signmuon.optim.functional`, reached through one method, :meth:`~SignVoteOptimizer.local_direction`.
+:class:`SignumMV` and :class:`SignSGDMV` are the base as it is; ``SignMuon`` overrides the
+direction of matrices (Newton–Schulz) and adds an AdamW path.
+
+Where the pre-vote half (momentum, direction) runs:
+
+* under DDP, in :func:`~signmuon.comm_hooks.sign_muon_hook`, on each worker's local gradient,
+  overlapped with backward: ``opt.register_comm_hook(ddp_model)``; ``step()`` then applies the
+  sign of what the vote left in ``.grad``;
+* on one process, all of it in ``step()``;
+* with ``vote_in_step=True``, ``step()`` votes across ``process_group`` itself
+  (:class:`~signmuon.comm_hooks.step_vote.StepVoter`).
+
+On several ranks without either, ``step()`` raises rather than silently applying the wrong math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from signmuon.comm_hooks import BackwardReducer, CommStats, NonFiniteError, SignMuonHookState, VoteConfig, sign_muon_hook
+from signmuon.comm_hooks.dist import nonfinite_flag
+from signmuon.comm_hooks.step_vote import StepVoter
+from signmuon.comm_hooks.vote import matrix_cost, owners
+
+from .checkpoint import load_rank_state, rank_state_dict
+from .functional import signum_direction
+
+__all__ = ["SignVoteOptimizer", "SignumMV", "SignSGDMV"]
+
+
+def _refuse_sharded(param: torch.Tensor, label: str, optimizer: str) -> None:
+    """A DTensor (FSDP2, tensor parallelism) or sparse parameter fails here, by name, not deep in a kernel."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has no sharded parameters either
+        return
+    if isinstance(param, DTensor):
+        raise ValueError(
+            f"{label} is a DTensor (sharded by FSDP2's fully_shard or tensor parallelism); {optimizer} votes whole "
+            "local tensors and this version has no FSDP2 entry point: train with DistributedDataParallel, "
+            "with VoteConfig(hierarchical=True) for the node-aware vote"
+        )
+    if param.layout != torch.strided:
+        raise ValueError(f"{label} is a {param.layout} tensor; {optimizer} needs dense parameters")
+
+
+class SignVoteOptimizer(torch.optim.Optimizer):
+    """Base of the sign-vote optimizers: ``W <- W - lr*vote(sign(direction_i)) - lr*lambda*W``.
+    Subclasses set the defaults and override :meth:`local_direction` (for other paths also
+    :meth:`path`, :meth:`post_vote`, :meth:`apply_mean`); arguments as :class:`SignumMV`."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        vote: VoteConfig | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        vote_in_step: bool = False,
+        checkpoint_all_ranks: bool = False,
+    ) -> None:
+        vote = VoteConfig.of(vote)
+        self.vote_config = vote
+        self.process_group = process_group
+        self.vote_in_step = bool(vote_in_step)
+        self.checkpoint_all_ranks = bool(checkpoint_all_ranks)
+        self.steps_taken = 0  # optimizer steps so far: the one iteration counter (checkpointed)
+        self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
+        self._voter = StepVoter(process_group, vote, self.stats)
+        self._comm_state: SignMuonHookState | None = None
+        self._hook_raised_seen = 0
+        self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
+        self._owners: tuple[int, dict[torch.Tensor, int]] | None = None  # (L, param -> owning local rank)
+        super().__init__(params, defaults)
+
+    # -- parameter routing and eager state ------------------------------------------------
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Raise ValueError for a setting out of range (every group, at ``add_param_group``)."""
+        if not group["lr"] >= 0:
+            raise ValueError(f"lr={group['lr']} must be >= 0")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"momentum={group['momentum']} must be in [0, 1)")
+        if not group["weight_decay"] >= 0:
+            raise ValueError(f"weight_decay={group['weight_decay']} must be >= 0")
+
+    def path(self, group: dict[str, Any], param: torch.Tensor) -> str:
+        """Which update ``param`` takes: ``"signum"`` here (the vote of the momentum's sign)."""
+        return "signum"
+
+    def init_state(self, state: dict[str, Any], param: torch.Tensor, path: str) -> None:
+        """Eager, rank-symmetric state: the same keys and shapes on every rank from step 0."""
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self.check_group(group)
+        self._voter.settings_changed()  # the new shapes are compared at the next step
+        self._owners = None  # ownership is recomputed with the new parameters
+        names = group.get("param_names") or [None] * len(group["params"])
+        for index, (p, name) in enumerate(zip(group["params"], names)):
+            label = name or f"parameter {index} of group {len(self.param_groups) - 1} (shape {tuple(p.shape)})"
+            _refuse_sharded(p, label, type(self).__name__)
+            try:
+                path = self.path(group, p)
+            except ValueError as error:
+                raise ValueError(f"{label}: {error}") from None
+            self._paths[p] = (len(self.param_groups) - 1, path)
+            self.init_state(self.state[p], p, path)
+
+    def _route(self, param: torch.Tensor) -> tuple[dict[str, Any], str]:
+        """(param group, path) of ``param``."""
+        if param not in self._paths:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not managed by this {type(self).__name__}")
+        index, path = self._paths[param]
+        return self.param_groups[index], path
+
+    def votes(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s update is voted (else its gradient is mean all-reduced)."""
+        return self._route(param)[1] != "adamw"
+
+    # -- the math: pure functions, one call each --------------------------------------------
+
+    @torch.no_grad()
+    def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Pre-vote half on this worker: advance ``param``'s momentum with ``grad`` and return the
+        direction whose signs are voted (:func:`~signmuon.optim.functional.signum_direction`)."""
+        group, _ = self._route(param)
+        return signum_direction(
+            grad, self.state[param]["momentum_buffer"], group["momentum"], nesterov=group.get("nesterov", False),
+            param=param, coupled_weight_decay=group.get("coupled_weight_decay", 0.0),
+        )  # fmt: skip
+
+    def post_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> tuple[torch.Tensor, float]:
+        """The update D from the voted signs, and how far one unit of it moves an entry."""
+        return voted, group["lr"]
+
+    def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
+        """The update of a parameter whose mean gradient was all-reduced (no such path here)."""
+        raise NotImplementedError(f"{type(self).__name__} votes every parameter")
+
+    def settings(self) -> dict[str, Any]:
+        """What must be equal on every rank: hyperparameters and parameter shapes."""
+        groups = [
+            {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "shapes": [tuple(p.shape) for p in g["params"]]}
+            for g in self.param_groups
+        ]
+        return {"optimizer": type(self).__name__, "vote": self.vote_config.settings(),
+                "vote_in_step": self.vote_in_step, "checkpoint_all_ranks": self.checkpoint_all_ranks,
+                "groups": groups}  # fmt: skip
+
+    def owner(self, param: torch.Tensor, ranks_per_node: int) -> int:
+        """The local rank that owns ``param``'s momentum (and Newton–Schulz) in the node-aware
+        vote: every voted parameter, in param-group order, assigned by cost, so the same on every
+        rank, every step and after a restart."""
+        if self._owners is None or self._owners[0] != ranks_per_node:
+            voted = [p for g in self.param_groups for p in g["params"] if self.votes(p)]
+            assigned = owners([matrix_cost(p) for p in voted], ranks_per_node)
+            self._owners = (ranks_per_node, dict(zip(voted, assigned)))
+        return self._owners[1][param]
+
+    # -- DDP hook --------------------------------------------------------------------------
+
+    @property
+    def comm_state(self) -> SignMuonHookState:
+        """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
+        if self._comm_state is None:
+            self._comm_state = SignMuonHookState(self, self.process_group, vote=self.vote_config)
+            self._hook_raised_seen = 0
+        return self._comm_state
+
+    @property
+    def has_comm_hook(self) -> bool:
+        """Whether a hook (DDP's or :meth:`register_backward_reducer`'s) does the pre-vote half."""
+        return self._comm_state is not None
+
+    def register_comm_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> SignMuonHookState:
+        """``ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)``; returns the state."""
+        ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)
+        return self.comm_state
+
+    def register_backward_reducer(
+        self, *, sync: Callable[[], bool] | None = None, bucket_cap_mb: float = 25.0
+    ) -> BackwardReducer:
+        """Without DDP: run :func:`~signmuon.comm_hooks.sign_muon_hook` on buckets as backward
+        produces them (a DeepSpeed engine, a hand-written loop): after ``loss.backward()`` the
+        gradients hold the vote and ``step()`` applies it. ``sync`` says whether this backward
+        ends a gradient-accumulation window. Set ``process_group`` before calling.
+        """
+        if self.vote_in_step:
+            raise ValueError("register_backward_reducer() votes in backward; create the optimizer with vote_in_step=False")
+        params = [p for group in self.param_groups for p in group["params"]]
+        return BackwardReducer(params, self.comm_state, sign_muon_hook, sync=sync, bucket_cap_mb=bucket_cap_mb)
+
+    def _check_hook_ran(self) -> None:
+        # Backward passes that raised NonFiniteError (caught by the user) left zero gradients.
+        raised = self._comm_state.raised - self._hook_raised_seen
+        ran = self._comm_state.passes - raised
+        if ran == 0 and raised:
+            ran = 1  # a step on the zeroed gradients of a failed backward moves nothing voted
+        name = type(self).__name__
+        if ran == 0:
+            raise RuntimeError(
+                f"{name}.step(): sign_muon_hook has not run since the last step; call backward() "
+                "through the DDP model the hook is registered on before step()"
+            )
+        if ran > 1:
+            raise RuntimeError(
+                f"{name}.step(): sign_muon_hook ran {ran} times since the last step, advancing the "
+                "momentum each time; accumulate micro-batches with their forward and backward under "
+                "ddp_model.no_sync()"
+            )
+        self._hook_raised_seen = self._comm_state.raised
+
+    # -- step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        name, hook_mode, world_size = type(self).__name__, self._comm_state is not None, self._voter.world_size
+        params = [p for group in self.param_groups for p in group["params"]]
+        if hook_mode:
+            self._check_hook_ran()
+        elif world_size > 1 and not self.vote_in_step:
+            raise RuntimeError(
+                f"{name} on {world_size} ranks without its communication hook: under DDP call "
+                "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
+            )
+        elif world_size > 1:
+            device = params[0].device if params else torch.device("cpu")
+            self._voter.check_settings(self.settings(), f"{name} settings", device)
+        for p in params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {name} "
+                    "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
+                )
+        if not hook_mode and world_size > 1:
+            params = self._voter.used_on_any_rank(params, self.steps_taken, name)
+        else:
+            params = [p for p in params if p.grad is not None]
+        entries = [(*self._route(p), p) for p in params]  # (group, path, param)
+        voted = [(g, p, path) for g, path, p in entries if path != "adamw"]
+        averaged = [(g, p, path) for g, path, p in entries if path == "adamw"]
+        if hook_mode:
+            # The hook left the vote in .grad; its sign undoes any rescaling since (clipping).
+            # In place: a fresh tensor per parameter per step costs more than the sign itself.
+            signs = [p.grad.sign_() for _, p, _ in voted]
+            means = [p.grad for _, p, _ in averaged]
+        else:
+            signs = self._voter.vote(
+                [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
+                lambda i, grad: self.local_direction(voted[i][1], grad),
+                lambda i, ranks_per_node: self.owner(voted[i][1], ranks_per_node),
+                present=[p.grad is not None for _, p, _ in voted], step=self.steps_taken,
+                label=f"{name} step {self.steps_taken}",
+            )  # fmt: skip
+            means = self._voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
+        if self.vote_config.nonfinite == "raise":  # before any parameter moves
+            for (_, p, _), g in zip(averaged, means):
+                if bool(nonfinite_flag(g)):
+                    raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}")
+        for (group, p, path), s in zip(voted, signs):
+            update, length = self.post_vote(group, p, s, path)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-length)
+        for (group, p, _), g in zip(averaged, means):
+            self.apply_mean(group, p, g)
+        self.steps_taken += 1
+        if hook_mode:
+            self._comm_state.passes = 0  # the backward pass it checked is now stepped
+        return loss
+
+    # -- checkpointing ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus the step count and world size; with ``checkpoint_all_ranks``
+        a collective gathering every rank's momentum (see :func:`~signmuon.optim.checkpoint.rank_state_dict`)."""
+        return rank_state_dict(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()``, after checking it fits: same world size (the momentum is each
+        rank's own), and per parameter the same state keys, shapes and floating dtypes."""
+        super().load_state_dict(load_rank_state(self, state_dict))
+        self.steps_taken = int(state_dict.get("signmuon", {}).get("steps_taken", 0))
+        if self._comm_state is not None:
+            self._comm_state.passes = 0
+            self._hook_raised_seen = self._comm_state.raised
+
+
+class SignumMV(SignVoteOptimizer):
+    """Signum with majority vote (Bernstein et al., ICLR 2019): ``m <- beta*m + (1-beta)*g`` on
+    each worker, ``W <- W - lr*vote(sign(m)) - lr*lambda*W``.
+
+    Under DDP the plain ``sign_vote_hook`` + ``torch.optim.SGD`` does the same with per-bucket
+    momentum; this class serves where the optimizer must own the momentum (DeepSpeed,
+    ``vote_in_step``) and where ``.grad`` may be rescaled before ``step()`` (clipping,
+    GradScaler, accumulation averaging: ``step()`` takes the sign of what the vote left).
+
+    Args:
+        params: parameters or param groups.
+        lr: each entry moves by ``lr`` per step (or 0 where the vote is 0).
+        momentum: beta in [0, 1); 0 is signSGD-MV.
+        weight_decay: decoupled weight decay lambda (``W -= lr*lambda*W``).
+        vote: the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
+            algorithm, kernels, ``hierarchical``, and ``nonfinite``: if any rank's gradient
+            holds NaN or Inf, ``"skip"`` moves no voted entry that step, counted in
+            ``stats.skipped``, the rank with the bad gradient keeping its momentum; ``"raise"``
+            raises on every rank). Also used by the DDP hook.
+        process_group: ranks that vote (None = WORLD).
+        vote_in_step: let ``step()`` vote across ``process_group`` itself (no DDP hook).
+        checkpoint_all_ranks: make ``state_dict()`` a collective that gathers every rank's
+            local momentum into the one dict (so a checkpoint written by rank 0 alone, as
+            DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
+            rank's part). Off by default: then each rank saves its own ``state_dict()``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        *,
+        weight_decay: float = 0.0,
+        vote: VoteConfig | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        vote_in_step: bool = False,
+        checkpoint_all_ranks: bool = False,
+    ) -> None:
+        super().__init__(
+            params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), vote=vote, process_group=process_group,
+            vote_in_step=vote_in_step, checkpoint_all_ranks=checkpoint_all_ranks,
+        )  # fmt: skip
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        if group.get("use_muon") or group.get("non_matrix", "signum") != "signum":
+            raise ValueError(f"{type(self).__name__} votes the sign of every parameter; use SignMuon for other paths")
+        super().check_group(group)
+
+
+class SignSGDMV(SignumMV):
+    """signSGD with majority vote: Signum without momentum (each worker votes sign(g)).
+    Arguments as :class:`SignumMV`, without ``momentum``."""
+
+    fixed_settings = ("momentum",)  # what a spec may not set (sign_optimizer_from_spec)
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3, **options: Any) -> None:
+        if "momentum" in options:
+            raise TypeError("SignSGDMV has no momentum: it is SignumMV with momentum=0")
+        super().__init__(params, lr, 0.0, **options)

@@ -1,0 +1,72 @@
+"""Every VoteConfig field is honoured by every entry point that takes one, or refused there with
+an error that says where it works. The hook states and optimizers are exercised field by field
+in their own tests (node-aware runs in test_hierarchy.py, ties and seeds in test_sign_vote_hook.py,
+faults in test_reliability.py); here: the collective and the DeepSpeed backend."""
+
+import pytest
+import torch
+
+from signmuon.comm_hooks import ByzantineFault, CommStats, VoteConfig, VoteWork, majority_vote, majority_vote_async
+from signmuon.integrations.deepspeed import SignCompressedBackend
+from tests.harness import run_distributed
+
+HIERARCHICAL = VoteConfig(hierarchical=True, ranks_per_node=2)
+
+
+@pytest.mark.parametrize("entry", [majority_vote, majority_vote_async, VoteWork], ids=lambda f: f.__name__)
+def test_the_collective_refuses_the_node_aware_vote_and_says_where_it_works(entry):
+    with pytest.raises(ValueError, match="SignVoteState.*SignMuon.*DeepSpeed"):
+        entry(torch.ones(8), None, HIERARCHICAL)
+
+
+def test_the_backend_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match="hooks or a sign-vote optimizer"):
+        SignCompressedBackend(vote=HIERARCHICAL)
+    for config in (VoteConfig(algorithm="all_gather"), VoteConfig(fault=ByzantineFault(ranks=(0,)))):
+        backend = SignCompressedBackend(vote=config)
+        with pytest.raises(ValueError, match="two phases and has no fault injection"):
+            backend.compressed_allreduce(torch.ones(16), torch.zeros(16), torch.zeros(16))
+    with pytest.raises(TypeError, match="vote must be a VoteConfig"):
+        SignCompressedBackend(vote={"tie": "fast"})
+
+
+def _fields_worker(rank, world_size):
+    # Two ranks with opposite signs everywhere: every entry is a tie.
+    x = torch.full((256,), 1.0 if rank == 0 else -1.0)
+    results = {}
+    for name, config in {
+        "default": VoteConfig(),
+        "exact": VoteConfig(tie="exact"),
+        "seed": VoteConfig(seed=7),
+        "two_phase": VoteConfig(algorithm="two_phase"),
+        "torch_kernels": VoteConfig(kernels="torch"),
+        "fault": VoteConfig(fault=ByzantineFault(ranks=(1,))),
+    }.items():
+        stats = CommStats()
+        results[name] = (majority_vote(x, config=config, step=3, stats=stats), stats.bytes_sent)
+    nan = x.clone()
+    nan[0] = float("nan") if rank == 1 else 1.0
+    stats = CommStats()
+    results["skip"] = (majority_vote(nan, stats=stats), stats.skipped)
+    try:
+        majority_vote(nan, config=VoteConfig(nonfinite="raise"))
+        results["raise"] = None
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        results["raise"] = type(error).__name__
+    return results
+
+
+def test_each_field_of_the_collective_changes_what_it_should():
+    results = run_distributed(_fields_worker, 2)
+    r0, r1 = results
+    default, default_bytes = r0["default"]
+    assert torch.equal(default, r1["default"][0])  # the same coins on both ranks
+    assert set(default.unique().tolist()) == {-1.0, 1.0}  # tie="fast": coins, one bit
+    assert torch.equal(r0["exact"][0], torch.zeros(256))  # tie="exact": ties vote 0
+    assert not torch.equal(r0["seed"][0], default)  # another seed, other coins
+    assert r0["two_phase"][1] != default_bytes  # two ranks: "auto" gathers, "two_phase" does not
+    assert torch.equal(r0["two_phase"][0], default)  # the same coins whatever the schedule
+    assert torch.equal(r0["torch_kernels"][0], default)  # other kernels, the same bits
+    assert torch.equal(r0["fault"][0], torch.ones(256))  # rank 1 flips: both vote +1
+    assert torch.equal(r0["skip"][0], torch.zeros(256)) and r0["skip"][1] == 1
+    assert r0["raise"] == r1["raise"] == "NonFiniteError"
