@@ -79,7 +79,7 @@ def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callabl
         config = VoteConfig(hierarchical=True)
         if layout.flat:
             out = torch.empty_like(grad)
-            return (lambda: majority_vote(grad, config=config, out=out)), vote_bytes_per_rank(n, world_size)
+            return (lambda: majority_vote(grad, config=config.rail, out=out)), vote_bytes_per_rank(n, world_size)
         buf, out = grad.clone(), torch.empty_like(grad)
         c = -(-n // layout.ranks_per_node)
         mine = min(n, (layout.local_rank + 1) * c) - min(n, layout.local_rank * c)

@@ -97,15 +97,11 @@ def muon_direction(
     return orthogonalize(signum_direction(grad, momentum, beta, nesterov=nesterov, **signum_options), *ns)
 
 
-def polar_direction(
-    voted: torch.Tensor,
-    ns_steps: int = 5,
-    ns_coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
-    ns_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The post-vote polar step: NS of the voted sign matrix, rescaled to entry-RMS 1 (an
-    all-zero vote stays zero), so the learning rate means what it means without it."""
-    polar = orthogonalize(voted, ns_steps, ns_coefficients, ns_dtype)
+def polar_direction(voted: torch.Tensor, *ns_settings) -> torch.Tensor:
+    """The post-vote polar step: NS of the voted sign matrix (``ns_settings``: those of
+    :func:`orthogonalize` after the tensor), rescaled to entry-RMS 1 (an all-zero vote stays
+    zero), so the learning rate means what it means without it."""
+    polar = orthogonalize(voted, *ns_settings)
     rms = polar.norm() / math.sqrt(polar.numel())
     return polar.div_(rms.clamp_min(1e-12))
 

@@ -32,15 +32,15 @@ def newton_schulz(
     ``X`` is scaled to unit Frobenius norm (so every singular value is at most 1), made wide
     by transposing if tall (so ``X·Xᵀ`` is the smaller Gram matrix), then iterated
     ``X <- a·X + (b·A + c·A²)·X`` with ``A = X·Xᵀ``. With the default coefficients and 5 steps
-    in float32, singular values at or above 3e-3 of the Frobenius norm end in [0.65, 1.25]
-    (measured: [0.68, 1.21]); smaller ones grow but may not reach the band, and zero singular
-    values stay zero, so an all-zero input returns zeros.
+    in float32, singular values at or above 3e-3 of the Frobenius norm end in [0.65, 1.25] (a
+    tested band); smaller ones grow but may not reach it, and zero singular values stay zero,
+    so an all-zero input returns zeros.
 
     Precision: SignMuon votes the *signs* of the result, and NS multiplies small singular values
     by up to ``a`` ≈ 3.4 per step, so rounding noise in the null space of a low-rank momentum
-    grows to the size of the signal. Against a float64 reference, bfloat16 flips 5–9% of the
-    signs for rank-8..32 inputs (0.7% at full rank); float32 flipped none (``signmuon-bench
-    ns-precision``). So the default is float32 on every device, with full-precision matmuls
+    grows to the size of the signal: bfloat16 flips many of the signs of low-rank inputs that a
+    float64 reference keeps, float32 almost none (``signmuon-bench ns-precision`` measures it;
+    the figures are in ``benchmarks/results/``). So the default is float32 on every device, with full-precision matmuls
     (TF32, which ``allow_tf32`` / ``set_float32_matmul_precision("high")`` would switch on,
     rounds like bfloat16 and is switched off for the call). For Muon, where a rounding error
     is a small error, bfloat16 is the usual faster choice.

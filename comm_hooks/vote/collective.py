@@ -125,17 +125,17 @@ def majority_vote(
             on NaN/Inf, kernels); the default is ``VoteConfig()``.
 
     Keyword Args:
-        step: which call this is (equal on every rank, e.g. the iteration): with the config's
+        step (int): which call this is (equal on every rank, e.g. the iteration): with the config's
             seed it keys the tie-break coins, so vary it per call.
-        segments: keyed pieces of the tensor for the tie coins (e.g. parameters of a bucket).
-        out: contiguous float tensor shaped like ``tensor`` to write into (may be ``tensor``).
-        stats: a :class:`CommStats` the bytes sent and received are added to.
-        label: names the tensor in errors (e.g. ``"bucket 3"``).
-        tag: an identity of the call every rank must agree on (e.g. iteration and bucket);
+        segments (SignSegments): keyed pieces of the tensor for the tie coins (e.g. parameters of a bucket).
+        out (torch.Tensor): contiguous float tensor shaped like ``tensor`` to write into (may be ``tensor``).
+        stats (CommStats): a :class:`CommStats` the bytes sent and received are added to.
+        label (str): names the tensor in errors (e.g. ``"bucket 3"``).
+        tag (int): an identity of the call every rank must agree on (e.g. iteration and bucket);
             ranks that disagree, or pass different entry counts or dtypes, raise
             :class:`VoteMismatchError` on every rank, naming each rank's values (a fixed-size
             round before the data, so even sizes of different word counts fail cleanly).
-        agree_sizes: ``False`` skips that round where the sizes are equal by construction.
+        agree_sizes (bool): ``False`` skips that round where the sizes are equal by construction.
 
     Returns:
         the voted tensor, entries in {-1, 0, +1}, in ``tensor``'s dtype (or ``out``). If any
