@@ -1,0 +1,35 @@
+"""What every communicating layer shares: process-group basics, statistics, errors, the
+mean all-reduce, flattening, and cross-rank consistency checks. Imports nothing above it."""
+
+from .consistency import (
+    ReplicaDivergenceError,
+    SettingsMismatchError,
+    check_replicas,
+    check_same_settings,
+    settings_digest,
+    tensor_fingerprint,
+)
+from .groups import NonFiniteError, VoteMismatchError, agree, gather_rows, group_size_rank
+from .stats import CommStats
+from .tensors import flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
+
+__all__ = [
+    "CommStats",
+    "NonFiniteError",
+    "ReplicaDivergenceError",
+    "SettingsMismatchError",
+    "VoteMismatchError",
+    "agree",
+    "check_replicas",
+    "check_same_settings",
+    "flatten",
+    "gather_rows",
+    "group_size_rank",
+    "mean_all_reduce",
+    "nonfinite_flag",
+    "ring_bytes",
+    "settings_digest",
+    "split_like",
+    "tensor_fingerprint",
+    "unflatten_into",
+]

@@ -1,0 +1,78 @@
+"""Process-group basics every layer shares: size and rank, a fixed-size all-gather, agreement
+checks that fail on every rank alike, and the errors they raise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .stats import CommStats
+
+__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "gather_rows", "group_size_rank"]
+
+
+class NonFiniteError(RuntimeError):
+    """Some rank's tensor held NaN or Inf; raised on every rank alike (``nonfinite="raise"``)."""
+
+
+class VoteMismatchError(ValueError):
+    """Ranks entered the same collective with different tensors (raised on every rank alike)."""
+
+
+def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(world size, rank) of ``group``; without an initialised default group the caller is alone."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> torch.Tensor:
+    """[M, *row.shape]: every rank's ``row`` (an all-gather; ``row`` must have the same shape
+    everywhere); its bytes are added to ``stats``."""
+    world_size, _ = group_size_rank(group)
+    if world_size == 1:
+        return row.unsqueeze(0)
+    if stats is not None:
+        size = (world_size - 1) * row.numel() * row.element_size()
+        stats.add(size, size)
+    rows = row.new_empty(world_size, *row.shape)
+    dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)
+    return rows
+
+
+def agree(
+    fields: Mapping[str, int],
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    device: torch.device | str = "cpu",
+    describe: Mapping[str, Callable[[int], str]] | None = None,
+    stats: CommStats | None = None,
+) -> None:
+    """Raise :class:`VoteMismatchError` on every rank unless every rank passes equal ``fields``.
+
+    One all-gather of ``len(fields)`` int64 words: a fixed size, so ranks that disagree on any
+    size still meet in it, unlike the collective they are about to enter. The error names every
+    rank's values (``describe[name]`` formats a field's word). Call it with the same field
+    names in the same order on every rank (the code at one call site does).
+    """
+    world_size, _ = group_size_rank(group)
+    if world_size == 1:
+        return
+    row = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64, device=device)
+    rows = gather_rows(row, group, stats).tolist()
+    if all(r == rows[0] for r in rows):
+        return
+    names = list(fields)
+    differing = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+    describe = describe or {}
+
+    def shown(name: str, word: int) -> str:
+        return describe[name](word) if name in describe else str(word)
+
+    per_rank = "; ".join(
+        f"rank {rank}: " + ", ".join(f"{n}={shown(n, r[names.index(n)])}" for n in differing) for rank, r in enumerate(rows)
+    )
+    raise VoteMismatchError(f"ranks entered {what} with different {', '.join(differing)} ({per_rank})")

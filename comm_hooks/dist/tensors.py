@@ -1,0 +1,79 @@
+"""Tensor plumbing around collectives, written once: flatten a list of tensors and put the
+result back, the full-precision mean all-reduce and its ring byte count, a finiteness flag."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .groups import group_size_rank
+from .stats import CommStats
+
+__all__ = ["flatten", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One new 1-D tensor holding ``tensors`` one after another (what a collective sends)."""
+    if not tensors:
+        raise ValueError("flatten() needs at least one tensor")
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors``, in order (the inverse of :func:`flatten`)."""
+    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat``'s pieces back into ``tensors`` in place."""
+    for t, piece in zip(tensors, split_like(flat, tensors)):
+        t.copy_(piece)
+
+
+def ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``: ``2(M-1)/M · nbytes``."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def mean_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    *,
+    inside_node: bool = False,
+    async_op: bool = False,
+):
+    """In place: ``tensor`` becomes the mean over ``group``, in full precision.
+
+    Each rank divides by the group size, then the all-reduce sums (DDP's and torch's
+    ``average_parameters`` order). The ring's bytes are added to ``stats`` (as bytes inside a
+    node where ``inside_node``). Returns the collective's work handle where ``async_op`` (None
+    for a group of one), else ``tensor``.
+    """
+    world_size, _ = group_size_rank(group)
+    if stats is not None:
+        ring = ring_bytes(tensor.numel() * tensor.element_size(), world_size)
+        stats.add(ring, ring, inside_node=inside_node)
+    if world_size == 1:
+        return None if async_op else tensor
+    tensor.div_(world_size)
+    work = dist.all_reduce(tensor, group=group, async_op=async_op)
+    return work if async_op else tensor
+
+
+def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: does ``tensor`` hold NaN or ±Inf? (No host synchronisation on a GPU.)
+
+    One summing pass (about half a memcpy): a sum is finite when every entry is, and an
+    infinite sum of finite entries (overflow) is rare enough to settle with the entry-wise
+    check only then. fp16 sums in float32, whose range its values cannot overflow.
+    """
+    if tensor.device.type != "cpu":  # one fused pass and no host synchronisation
+        return ~torch.isfinite(tensor).all()
+    total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
+    bad = ~torch.isfinite(total)
+    if bool(bad):
+        bad = ~torch.isfinite(tensor).all()
+    return bad
