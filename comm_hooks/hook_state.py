@@ -35,9 +35,6 @@ class VotePipeline:
         )
         self._defer = defer
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def add(self, work, fut: torch.futures.Future, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Track ``work``, whose result (mapped by ``finish``) completes DDP's ``fut``."""
         self._pending.append((work, fut, finish))

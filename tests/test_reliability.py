@@ -1,7 +1,6 @@
 """Faults, bad input and resumption: NaN/Inf, Byzantine ranks, divergent replicas, mismatched
 settings, uneven inputs (DDP join), dead ranks, and resuming mid-warm-up or mid-period."""
 
-import dataclasses
 import os
 import time
 from datetime import timedelta
