@@ -24,28 +24,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from signmuon.benchmarks.cli import command_parser, positive_int, size
+from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int, size
+from signmuon.benchmarks.registry import names_for
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
+from signmuon.comm_hooks.dist import ring_bytes
 from signmuon.comm_hooks.vote import NodeVoteWork
 from signmuon.integrations.deepspeed import SignCompressedBackend
 
-METHODS = (
-    "fp32_allreduce",
-    "bf16_allreduce",
-    "int8_sum_allreduce",
-    "allgather_1bit",
-    "vote_exact",
-    "vote_fast",
-    "vote_node",
-    "powersgd_r1",
-    "powersgd_r4",
-    "ef_1bit",
-)
-
-
-def _ring(world_size: int, nbytes: int) -> int:
-    return 2 * (world_size - 1) * nbytes // world_size
+METHODS = names_for("bandwidth")
 
 
 def _matrix_shape(numel: int) -> tuple[int, int]:
@@ -56,25 +43,25 @@ def _matrix_shape(numel: int) -> tuple[int, int]:
 def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callable[[], None], int]:
     """(one call of ``method`` on ``grad``, algorithmic bytes this rank sends per call)."""
     n = grad.numel()
-    if method == "fp32_allreduce":
+    if method == "allreduce":
         buf = grad.clone()
-        return (lambda: dist.all_reduce(buf)), _ring(world_size, 4 * n)
+        return (lambda: dist.all_reduce(buf)), ring_bytes(4 * n, world_size)
     if method == "bf16_allreduce":
         buf = grad.to(torch.bfloat16)
-        return (lambda: dist.all_reduce(buf)), _ring(world_size, 2 * n)
+        return (lambda: dist.all_reduce(buf)), ring_bytes(2 * n, world_size)
     if method == "int8_sum_allreduce":  # the SignMuon paper's vote: int8 signs summed
         signs = torch.sign(grad).to(torch.int8)
         buf = signs.clone()
-        return (lambda: (buf.copy_(signs), dist.all_reduce(buf))), _ring(world_size, n)
-    if method in ("allgather_1bit", "vote_exact", "vote_fast"):
-        algorithm = "all_gather" if method == "allgather_1bit" else "two_phase"
-        tie = "fast" if method == "vote_fast" else "exact"
+        return (lambda: (buf.copy_(signs), dist.all_reduce(buf))), ring_bytes(n, world_size)
+    if method in ("signsgd_mv_allgather", "signsgd_mv_exact", "signsgd_mv"):
+        algorithm = "all_gather" if method == "signsgd_mv_allgather" else "two_phase"
+        tie = "fast" if method == "signsgd_mv" else "exact"
         out = torch.empty_like(grad)
         stats = CommStats()
         config = VoteConfig(tie=tie, algorithm=algorithm)
         call = lambda: majority_vote(grad, config=config, out=out, stats=stats)  # noqa: E731
         return call, vote_bytes_per_rank(n, world_size, algorithm)
-    if method == "vote_node":  # node-aware: fp32 inside the node, one bit between (LOCAL_WORLD_SIZE)
+    if method == "signsgd_mv_node":  # node-aware: fp32 inside the node, one bit between (LOCAL_WORLD_SIZE)
         layout = node_layout(None, None)
         config = VoteConfig(hierarchical=True)
         if layout.flat:
@@ -101,7 +88,7 @@ def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callabl
             dist.all_reduce(q_new)
             return p_orth @ q_new.T
 
-        return powersgd, _ring(world_size, 4 * rank * (rows + cols))
+        return powersgd, ring_bytes(4 * rank * (rows + cols), world_size)
     if method == "ef_1bit":
         backend = SignCompressedBackend()
         padded = -(-n // (8 * world_size)) * 8 * world_size
@@ -148,7 +135,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     if progress is not None:
         progress.close()
     for row in rows:
-        base = next((r for r in rows if r["numel"] == row["numel"] and r["method"] == "fp32_allreduce"), None)
+        base = next((r for r in rows if r["numel"] == row["numel"] and r["method"] == "allreduce"), None)
         if base is not None and "error" not in row and "error" not in base:
             row["speedup_vs_fp32"] = base["median_s"] / row["median_s"]
             row["bytes_vs_fp32"] = row["bytes_per_rank"] / base["bytes_per_rank"]
@@ -206,17 +193,16 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("bandwidth", __doc__)
+    parser = command_parser("bandwidth", __doc__, methods="bandwidth")
     parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--sizes", nargs="+", type=size, default=["1K", "16K", "256K", "4M", "16M"])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--csv", help="write the rows to this CSV file")
     parser.add_argument("--plot", help="write a PNG plot (needs matplotlib: the bench extra)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
-    args = parser.parse_args(argv)
+    args = parse_methods(parser, argv)
     if under_torchrun():
         rows = run_torchrun(_worker, args)
         args.backend_name = "torchrun"

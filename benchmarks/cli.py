@@ -10,7 +10,9 @@ import sys
 
 import torch
 
-__all__ = ["command_parser", "network_label", "positive_int", "size", "check_device", "write_report"]
+from signmuon.benchmarks.registry import check_methods, describe, names_for
+
+__all__ = ["command_parser", "network_label", "positive_int", "size", "check_device", "parse_methods", "write_report"]
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -68,11 +70,33 @@ class _CommandParser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
-def command_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
+def command_parser(
+    command: str, doc: str | None, *, methods: str | None = None, default_methods: list[str] | None = None
+) -> argparse.ArgumentParser:
     """The parser of ``signmuon-bench COMMAND``: that name in its usage line, the module's
-    docstring as description without reStructuredText's double backticks, defaults shown."""
+    docstring as description without reStructuredText's double backticks, defaults shown.
+
+    ``methods`` names the registry command whose methods a ``--methods`` option takes
+    (``--help`` lists them; default ``default_methods``, or all of them); :func:`parse_methods`
+    checks them."""
     description = (doc or "").replace("``", "")
-    return _CommandParser(prog=f"signmuon-bench {command}", description=description, formatter_class=_HelpFormatter)
+    parser = _CommandParser(
+        prog=f"signmuon-bench {command}", description=description, formatter_class=_HelpFormatter,
+        epilog=describe(methods) if methods else None,
+    )  # fmt: skip
+    if methods:
+        default = list(names_for(methods)) if default_methods is None else default_methods
+        parser.add_argument("--methods", nargs="+", default=default, metavar="METHOD",
+                            help="methods to run, listed below (default: %(default)s)")  # fmt: skip
+        parser.set_defaults(methods_of=methods)
+    return parser
+
+
+def parse_methods(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, then a one-line error (exit 2) for a method the command does not run."""
+    args = parser.parse_args(argv)
+    check_methods(parser, args.methods_of, args.methods)
+    return args
 
 
 def network_label() -> str:

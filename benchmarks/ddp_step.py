@@ -24,14 +24,14 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.cli import command_parser, positive_int
+from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
+from signmuon.benchmarks.registry import names_for
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.optim import SignMuon
 
-METHODS = ("allreduce", "fp16", "powersgd", "sign_vote", "signum_mv", "signmuon", "sign_vote_node", "signum_mv_node",
-           "signmuon_node")  # fmt: skip
-NODE_AWARE = {"sign_vote_node": "sign_vote", "signum_mv_node": "signum_mv", "signmuon_node": "signmuon"}
+METHODS = names_for("ddp-step")
+NODE_AWARE = {"signsgd_mv_node": "signsgd_mv", "signum_mv_node": "signum_mv", "signmuon_node": "signmuon"}
 
 
 def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Module:
@@ -44,18 +44,20 @@ def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Modu
 
 def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> object | None:
     method = NODE_AWARE.get(method, method)
-    if method == "fp16":
+    if method == "fp16_allreduce":
         model.register_comm_hook(group, default_hooks.fp16_compress_hook)
-    elif method == "powersgd":
+    elif method == "powersgd_r1":
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
-    elif method in ("sign_vote", "signum_mv"):
+    elif method in ("signsgd_mv", "signum_mv"):
         state = SignVoteState(process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0, vote=vote)
         model.register_comm_hook(state, sign_vote_hook)
         return state
     elif method == "signmuon":
         return optimizer.register_comm_hook(model)
+    elif method != "allreduce":  # DDP's own all-reduce needs no hook
+        raise ValueError(f"ddp-step has no implementation of {method!r}")
     return None
 
 
@@ -93,9 +95,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         params = sum(p.numel() for p in model.parameters())
         if hooked:
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
-        elif method == "fp16":
+        elif method == "fp16_allreduce":
             per_step = 2 * (world_size - 1) * params * 2 / world_size
-        elif method == "powersgd":
+        elif method == "powersgd_r1":
             per_step = float("nan")  # depends on the layer shapes; see torch's PowerSGD docs
         else:
             per_step = 2 * (world_size - 1) * params * 4 / world_size
@@ -129,9 +131,8 @@ def report(rows: list[dict], world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("ddp-step", __doc__)
+    parser = command_parser("ddp-step", __doc__, methods="ddp-step")
     parser.add_argument("--world-size", type=positive_int, default=2, help="local gloo ranks (ignored under torchrun)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--width", type=int, default=1728)
     parser.add_argument("--depth", type=int, default=4, help="hidden layers; 1728x4 is about 9.9M parameters")
     parser.add_argument("--batch", type=int, default=8, help="small, so the step is communication-bound")
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
-    args = parser.parse_args(argv)
+    args = parse_methods(parser, argv)
     if under_torchrun():
         rows = run_torchrun(_worker, args, args.methods)
         if os.environ["RANK"] == "0":

@@ -20,11 +20,12 @@ import statistics
 import torch
 from torch import nn
 
-from signmuon.benchmarks.cli import command_parser
+from signmuon.benchmarks.cli import command_parser, parse_methods
 from signmuon.benchmarks.ddp_step import mlp
+from signmuon.benchmarks.registry import names_for
 from signmuon.benchmarks.launch import run_distributed, timed_calls
 
-METHODS = ("allreduce", "signsgd_mv", "signsgd_mv_in_step", "signmuon", "ddp_signsgd_mv")
+METHODS = names_for("deepspeed-step")
 
 
 def _config(method: str, batch: int) -> dict:
@@ -96,15 +97,14 @@ def _setup(method: str, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("deepspeed-step", __doc__)
+    parser = command_parser("deepspeed-step", __doc__, methods="deepspeed-step")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--width", type=int, default=1728)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args(argv)
+    args = parse_methods(parser, argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.getcwd(), ".cache", "torch_extensions"))
     rows = run_distributed(_worker, args.world_size, args, timeout=1200)[0]
     base = next(r["step_s"] for r in rows if r["method"] == "allreduce") if "allreduce" in args.methods else None

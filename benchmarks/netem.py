@@ -15,7 +15,7 @@ Needs root and iproute2 (``ip``, ``tc``).
 loopback, unshaped, and only traffic between nodes crosses the shaped links, whose counters
 then give the bytes that crossed between nodes (e.g. for the node-aware vote)::
 
-    signmuon-bench netem --world-size 4 --ranks-per-node 2 --rate 1gbit -- ddp-step --methods sign_vote sign_vote_node
+    signmuon-bench netem --world-size 4 --ranks-per-node 2 --rate 1gbit -- ddp-step --methods signsgd_mv signsgd_mv_node
 
 ``--rates`` runs the command once per rate. With ``train`` it prints the wall time to the target
 loss per method and rate and ``--plot`` draws test loss against wall time, one panel per rate::
@@ -161,7 +161,7 @@ def _bits(rate: str) -> int:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        argv = argv + ["--", "bandwidth", "--sizes", "64K", "1M", "--methods", "fp32_allreduce", "vote_exact"]
+        argv = argv + ["--", "bandwidth", "--sizes", "64K", "1M", "--methods", "allreduce", "signsgd_mv_exact"]
     split = argv.index("--")
     parser = command_parser("netem", __doc__)
     parser.add_argument("--world-size", type=int, default=2)
@@ -220,7 +220,7 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
                 report["train"] = loaded
             else:
                 warmup_iters = _calls_per_measurement(inner)
-                # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for vote_node).
+                # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for signsgd_mv_node).
                 report[f"algorithmic_bytes_per_{unit}"] = L * sum(
                     r["bytes_per_rank"] * warmup_iters for r in loaded if "bytes_per_rank" in r
                 )

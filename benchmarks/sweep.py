@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from signmuon.benchmarks.cli import command_parser, positive_int, write_report
-from signmuon.benchmarks.train import METHODS, TASKS, TrainConfig, run
+from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int, write_report
+from signmuon.benchmarks.train import TASKS, TrainConfig, run
 
 __all__ = ["aggregate", "main"]
 
@@ -58,19 +58,15 @@ def print_summary(summary: dict[str, dict], task: str, world_size: int, steps: i
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = command_parser("sweep", __doc__)
+    parser = command_parser("sweep", __doc__, methods="train", default_methods=["adamw", "signum_mv", "signmuon"])
     parser.add_argument("--task", default="digits", choices=sorted(TASKS), help="(default: %(default)s)")
-    parser.add_argument("--methods", nargs="+", default=["adamw", "signum_mv", "signmuon"], help="(default: %(default)s)")
     parser.add_argument("--lr-scales", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0], help="(default: %(default)s)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="(default: %(default)s)")
     parser.add_argument("--world-size", type=positive_int, default=4, help="(default: %(default)s)")
     parser.add_argument("--steps", type=positive_int, default=TrainConfig.steps, help="(default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=TrainConfig.batch_size, help="(default: %(default)s)")
     parser.add_argument("--json", help="write the grid, the summary and the command line here")
-    args = parser.parse_args(argv)
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        parser.error(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
+    args = parse_methods(parser, argv)
     if any(not (s > 0 and math.isfinite(s)) for s in args.lr_scales):
         parser.error(f"--lr-scales {args.lr_scales}: each must be a positive number")
     if args.batch_size % args.world_size:

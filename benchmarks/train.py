@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from signmuon.benchmarks.cli import check_device, command_parser, network_label, positive_int
+from signmuon.benchmarks.cli import check_device, command_parser, parse_methods, network_label, positive_int
 from signmuon.benchmarks.curves import seed_summary, time_to_target
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_group, under_torchrun
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
@@ -312,14 +312,13 @@ def print_summary(summaries: dict[str, dict], results: list[dict], target: float
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("train", __doc__)
+    parser = command_parser("train", __doc__, methods="train")
     parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     parser.add_argument("--arch", default="resnet18", choices=["resnet18", "resnet50"], help="cifar10's model")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--data-dir", help="where cifar10 lives (torchvision's cifar-10-batches-py folder's parent)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"of {sorted(METHODS)}")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
@@ -341,10 +340,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
     parser.add_argument("--plot", help="write test loss vs step / bytes / time as a PNG")
-    args = parser.parse_args(argv)
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:  # before anything trains: a typo must not cost the runs before it
-        parser.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    args = parse_methods(parser, argv)  # before anything trains: a typo must not cost the runs before it
     check_device(parser, args.device)
     if args.task == "cifar10" and not args.data_dir:
         parser.error("--task cifar10 needs --data-dir (the folder holding torchvision's cifar-10-batches-py)")

@@ -18,7 +18,7 @@ def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
                            "--json", f"{out}.json", "--csv", f"{out}.csv", "--plot", f"{out}.png", "--no-progress"])  # fmt: skip
     assert {r["method"] for r in rows} == set(bandwidth.METHODS)
     by = {(r["method"], r["numel"]): r for r in rows if "error" not in r}
-    fp32, vote = by[("fp32_allreduce", 65536)], by[("vote_exact", 65536)]
+    fp32, vote = by[("allreduce", 65536)], by[("signsgd_mv_exact", 65536)]
     assert fp32["bytes_per_rank"] / vote["bytes_per_rank"] > 25  # ~32x fewer bytes, plus headers
     assert by[("int8_sum_allreduce", 65536)]["bytes_per_rank"] * 4 == fp32["bytes_per_rank"]
     for r in by.values():
@@ -27,7 +27,7 @@ def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
     assert json.loads((tmp_path / "bw.json").read_text()) == rows
     assert (tmp_path / "bw.csv").read_text().count("\n") == len(rows) + 1
     assert (tmp_path / "bw.png").read_bytes()[:4] == b"\x89PNG"
-    assert "vote_exact" in capsys.readouterr().out
+    assert "signsgd_mv_exact" in capsys.readouterr().out
 
 
 def test_train_writes_curves_and_is_repeatable(tmp_path):
@@ -110,8 +110,8 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
 
     common = ["--world-size", "2", "--rate", "1gbit", "--", "bandwidth", "--sizes", "256K", "--iters", "2",
               "--warmup", "1", "--methods"]  # fmt: skip
-    fp32 = netem.main(common + ["fp32_allreduce"])
-    vote = netem.main(common + ["vote_exact"])
+    fp32 = netem.main(common + ["allreduce"])
+    vote = netem.main(common + ["signsgd_mv_exact"])
     for report in (fp32, vote):
         assert all(sent >= 0.9 * report["algorithmic_bytes_per_rank"] for sent in report["tx_bytes_per_rank"])
     assert max(vote["tx_bytes_per_rank"]) < max(fp32["tx_bytes_per_rank"]) / 5
@@ -146,7 +146,7 @@ def test_emulated_nodes_count_the_bytes_between_them():
     from signmuon.benchmarks import netem
 
     report = netem.main(["--world-size", "4", "--ranks-per-node", "2", "--rate", "1gbit", "--", "bandwidth",
-                         "--sizes", "1M", "--iters", "2", "--warmup", "1", "--methods", "vote_node"])  # fmt: skip
+                         "--sizes", "1M", "--iters", "2", "--warmup", "1", "--methods", "signsgd_mv_node"])  # fmt: skip
     assert len(report["tx_bytes_per_node"]) == 2
     for sent in report["tx_bytes_per_node"]:
         assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
@@ -175,7 +175,10 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["bandwidth", "--sizes", "1Q"], "'1Q' is not a size"),
         (["kernels", "--sizes", "0"], "must be at least one entry"),
         (["ddp-step", "--world-size", "-2"], "-2 must be at least 1"),
-        (["sweep", "--methods", "adamw", "lion"], "unknown ['lion']"),
+        (["sweep", "--methods", "adamw", "lion"], "unknown method(s) ['lion']"),
+        (["bandwidth", "--methods", "vote_fast"], "'vote_fast' is now called 'signsgd_mv'"),
+        (["ddp-step", "--methods", "sign_vote"], "'sign_vote' is now called 'signsgd_mv'"),
+        (["ddp-step", "--methods", "adamw"], "unknown method(s) ['adamw'] for ddp-step"),
         (["netem", "--rates", "1gbit", "fast", "--", "train"], "give it in tc's units"),
         (["netem", "--plot", "x.png", "--", "bandwidth"], "--plot draws training curves"),
         (["train", "--size", "medium"], "--size medium is charlm's option"),
@@ -241,6 +244,23 @@ def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     assert out.startswith(f"usage: signmuon-bench {command} ")
     assert "``" not in out and ":class:" not in out
     assert "(default: " in out
+    from signmuon.benchmarks.registry import names_for
+
+    methods = names_for("train" if command == "sweep" else command)
+    assert all(f"  {name} " in out for name in methods)  # the registry's list, for commands with --methods
+
+
+def test_each_command_implements_exactly_its_registry_names():
+    from signmuon.benchmarks import ddp_step, deepspeed_step, train
+    from signmuon.benchmarks.registry import METHODS, RENAMED, names_for
+
+    assert set(train.METHODS) == set(names_for("train"))
+    assert bandwidth.METHODS == names_for("bandwidth") and ddp_step.METHODS == names_for("ddp-step")
+    assert deepspeed_step.METHODS == names_for("deepspeed-step")
+    assert all(info.commands for info in METHODS.values())
+    assert not set(RENAMED) & set(METHODS) and set(RENAMED.values()) <= set(METHODS)
+    with pytest.raises(ValueError, match="no implementation of 'signum_mv_optim'"):
+        ddp_step._register(None, "signum_mv_optim", None, None, None)
 
 
 def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():

@@ -267,7 +267,7 @@ def test_torchrun_two_nodes_on_one_machine_runs_the_benchmark():
     root = Path(__file__).resolve().parent.parent
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
-               "-m", "signmuon.benchmarks.ddp_step", "--methods", "sign_vote", "sign_vote_node", "--width", "64",
+               "-m", "signmuon.benchmarks.ddp_step", "--methods", "signsgd_mv", "signsgd_mv_node", "--width", "64",
                "--depth", "2", "--warmup", "1", "--steps", "2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launchers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
@@ -275,7 +275,7 @@ def test_torchrun_two_nodes_on_one_machine_runs_the_benchmark():
     outputs = [p.communicate(timeout=240)[0] for p in launchers]
     assert all(p.returncode == 0 for p in launchers), outputs
     table = "\n".join(outputs)
-    assert "sign_vote_node" in table and "nodes=2x2" in table, table
+    assert "signsgd_mv_node" in table and "nodes=2x2" in table, table
 
 
 def test_config_fields_validate_and_come_from_a_deepspeed_vote_section():
