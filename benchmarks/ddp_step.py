@@ -25,9 +25,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
-from signmuon.benchmarks.registry import names_for
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
+from signmuon.benchmarks.registry import names_for
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
+from signmuon.comm_hooks.dist import ring_bytes
 from signmuon.optim import SignMuon
 
 METHODS = names_for("ddp-step")
@@ -96,11 +97,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         if hooked:
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
         elif method == "fp16_allreduce":
-            per_step = 2 * (world_size - 1) * params * 2 / world_size
+            per_step = ring_bytes(params * 2, world_size)
         elif method == "powersgd_r1":
             per_step = float("nan")  # depends on the layer shapes; see torch's PowerSGD docs
         else:
-            per_step = 2 * (world_size - 1) * params * 4 / world_size
+            per_step = ring_bytes(params * 4, world_size)
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
         bits = 8 * per_step / optimal if world_size > 1 else float("nan")
         row = {"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,

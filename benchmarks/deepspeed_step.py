@@ -22,8 +22,9 @@ from torch import nn
 
 from signmuon.benchmarks.cli import command_parser, parse_methods
 from signmuon.benchmarks.ddp_step import mlp
-from signmuon.benchmarks.registry import names_for
 from signmuon.benchmarks.launch import run_distributed, timed_calls
+from signmuon.benchmarks.registry import names_for
+from signmuon.comm_hooks.dist import ring_bytes
 
 METHODS = names_for("deepspeed-step")
 
@@ -53,7 +54,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
         if stats is not None:
             per_step = (stats.bytes_sent - sent_before[method]) / args.steps
         else:
-            per_step = 2 * (world_size - 1) * params * 4 / world_size  # ring all-reduce of fp32 gradients
+            per_step = ring_bytes(params * 4, world_size)  # ring all-reduce of fp32 gradients
         rows.append({"method": method, "params": params, "step_s": statistics.median(times[method]), "bytes_per_rank": per_step})
     return rows
 

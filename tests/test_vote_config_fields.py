@@ -70,3 +70,63 @@ def test_each_field_of_the_collective_changes_what_it_should():
     assert torch.equal(r0["fault"][0], torch.ones(256))  # rank 1 flips: both vote +1
     assert torch.equal(r0["skip"][0], torch.zeros(256)) and r0["skip"][1] == 1
     assert r0["raise"] == r1["raise"] == "NonFiniteError"
+
+
+# --- the hook states and the optimizers: each field reaches the vote they run -----------------
+
+VARIANTS = {
+    "default": VoteConfig(),
+    "exact": VoteConfig(tie="exact"),
+    "seed": VoteConfig(seed=5),
+    "two_phase": VoteConfig(algorithm="two_phase"),
+    "torch_kernels": VoteConfig(kernels="torch"),
+    "fault": VoteConfig(fault=ByzantineFault(ranks=(1,))),
+}
+
+
+def _train(rank, entry, config):
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+    from signmuon.optim import SignMuon, SignumMV
+    from tests.harness import batch, tiny_net
+
+    net = tiny_net()
+    if entry == "sign_vote_hook":
+        model = DDP(net)
+        state = SignVoteState(momentum=0.9, start_iter=1, vote=config)
+        model.register_comm_hook(state, sign_vote_hook)
+        opt, stats = torch.optim.SGD(net.parameters(), lr=0.01), state.stats
+    elif entry == "SignMuon hook":
+        model = DDP(net)
+        opt = SignMuon(net.parameters(), lr=0.01, vote=config)
+        stats = opt.register_comm_hook(model).stats
+    else:  # SignumMV voting in step()
+        model = net
+        opt = SignumMV(net.parameters(), lr=0.01, vote=config, vote_in_step=True)
+        stats = opt.stats
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()], stats.bytes_sent
+
+
+def _entries_worker(rank, world_size):
+    return {(entry, name): _train(rank, entry, config)
+            for entry in ("sign_vote_hook", "SignMuon hook", "SignumMV in step") for name, config in VARIANTS.items()}
+
+
+def test_each_field_reaches_the_vote_of_every_hook_and_optimizer():
+    results = run_distributed(_entries_worker, 2)[0]
+    for entry in ("sign_vote_hook", "SignMuon hook", "SignumMV in step"):
+        params, sent = results[(entry, "default")]
+
+        def same(name):
+            return all(torch.equal(a, b) for a, b in zip(params, results[(entry, name)][0]))
+
+        assert not same("exact") and not same("seed") and not same("fault"), entry  # ties and faults change the vote
+        assert same("two_phase") and results[(entry, "two_phase")][1] != sent, entry  # same vote, other schedule
+        assert same("torch_kernels") and results[(entry, "torch_kernels")][1] == sent, entry  # same bits, same bytes
