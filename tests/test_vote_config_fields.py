@@ -11,6 +11,15 @@ from signmuon.integrations.deepspeed import SignCompressedBackend
 from tests.harness import run_distributed
 
 HIERARCHICAL = VoteConfig(hierarchical=True, ranks_per_node=2)
+# One setting changed from the default per entry (nonfinite has its own cases below).
+VARIANTS = {
+    "default": VoteConfig(),
+    "exact": VoteConfig(tie="exact"),
+    "seed": VoteConfig(seed=5),
+    "two_phase": VoteConfig(algorithm="two_phase"),
+    "torch_kernels": VoteConfig(kernels="torch"),
+    "fault": VoteConfig(fault=ByzantineFault(ranks=(1,))),
+}
 
 
 @pytest.mark.parametrize("entry", [majority_vote, majority_vote_async, VoteWork], ids=lambda f: f.__name__)
@@ -34,14 +43,7 @@ def _fields_worker(rank, world_size):
     # Two ranks with opposite signs everywhere: every entry is a tie.
     x = torch.full((256,), 1.0 if rank == 0 else -1.0)
     results = {}
-    for name, config in {
-        "default": VoteConfig(),
-        "exact": VoteConfig(tie="exact"),
-        "seed": VoteConfig(seed=7),
-        "two_phase": VoteConfig(algorithm="two_phase"),
-        "torch_kernels": VoteConfig(kernels="torch"),
-        "fault": VoteConfig(fault=ByzantineFault(ranks=(1,))),
-    }.items():
+    for name, config in VARIANTS.items():
         stats = CommStats()
         results[name] = (majority_vote(x, config=config, step=3, stats=stats), stats.bytes_sent)
     nan = x.clone()
@@ -74,14 +76,6 @@ def test_each_field_of_the_collective_changes_what_it_should():
 
 # --- the hook states and the optimizers: each field reaches the vote they run -----------------
 
-VARIANTS = {
-    "default": VoteConfig(),
-    "exact": VoteConfig(tie="exact"),
-    "seed": VoteConfig(seed=5),
-    "two_phase": VoteConfig(algorithm="two_phase"),
-    "torch_kernels": VoteConfig(kernels="torch"),
-    "fault": VoteConfig(fault=ByzantineFault(ranks=(1,))),
-}
 
 
 def _train(rank, entry, config):
