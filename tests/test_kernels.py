@@ -97,6 +97,18 @@ def test_tie_bits_depend_on_segment_not_layout():
     assert 0.35 < sum(bits_a) / 200 < 0.65
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shard_draws_the_coins_of_its_entries_in_the_whole_tensor(family):
+    # FSDP votes shards: rows 70.. of a 300-entry tensor (key 7) after 50 entries of another.
+    whole = reference.tie_words(SignSegments((0, 300), (7,)), 99, 0, 5)
+    shard = FAMILIES[family].tie_words(SignSegments((0, 50, 280), (3, 7), (0, 70)), 99, 0, 5, None)
+    bits_whole = [(int(whole[(70 + i) // 64]) >> ((70 + i) % 64)) & 1 for i in range(230)]
+    bits_shard = [(int(shard[(50 + i) // 64]) >> ((50 + i) % 64)) & 1 for i in range(230)]
+    assert bits_whole == bits_shard
+    with pytest.raises(ValueError, match="offsets"):
+        SignSegments((0, 50, 280), (3, 7), (0,))
+
+
 def test_kernel_choice_is_explicit():
     assert kernels_for(torch.device("cpu")) is cpu
     assert kernels_for(torch.device("cpu"), "torch") is torch_ops
@@ -147,7 +159,9 @@ def test_tie_words_on_random_segments_match_reference():
     for case in range(12):
         n = rng.randint(2, 1500)
         cuts = sorted(rng.sample(range(1, n), min(5, n - 1)))
-        segments = SignSegments(tuple([0, *cuts, n]), tuple(rng.randint(0, 2**64 - 1) for _ in range(len(cuts) + 1)))
+        keys = tuple(rng.randint(0, 2**64 - 1) for _ in range(len(cuts) + 1))
+        offsets = tuple(rng.randint(0, 300) for _ in keys) if case % 2 else ()
+        segments = SignSegments(tuple([0, *cuts, n]), keys, offsets)
         first, words, key = 64 * rng.randint(0, n // 64), rng.randint(1, 30), rng.randint(0, 2**64 - 1)
         ref = reference.tie_words(segments, key, first, words)
         for family in FAMILIES.values():

@@ -159,8 +159,8 @@ def _mix64(z):  # pragma: no cover - compiled; splitmix64's finaliser
 
 
 @numba.njit(cache=True, nogil=True)
-def _tie_kernel(call_key, starts, keys, first_entry, out):  # pragma: no cover - compiled
-    # Entry e of segment s (local index i = e - starts[s]) draws bit (i & 63) of
+def _tie_kernel(call_key, starts, keys, firsts, first_entry, out):  # pragma: no cover - compiled
+    # Entry e of segment s (index i = e - starts[s] + firsts[s] in its tensor) draws bit (i & 63) of
     # mix64(mix64(call_key ^ keys[s]) + (i >> 6) * GOLDEN): keyed to the segment, not the layout.
     golden = np.uint64(0x9E3779B97F4A7C15)
     nseg = keys.size
@@ -179,7 +179,7 @@ def _tie_kernel(call_key, starts, keys, first_entry, out):  # pragma: no cover -
                 t += 1
                 continue
             seg_key = _mix64(call_key ^ np.uint64(keys[t]))
-            i = e - starts[t]
+            i = e - starts[t] + firsts[t]
             while e < end:
                 h = _mix64(seg_key + np.uint64(i >> 6) * golden)
                 take = min(end - e, 64 - (i & 63))
@@ -255,5 +255,6 @@ def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: in
     out = torch.empty(words, dtype=torch.int64)
     starts = np.asarray(segments.starts, dtype=np.int64)
     keys = np.asarray(segments.keys, dtype=np.uint64)
-    _tie_kernel(np.uint64(call_key & 0xFFFFFFFFFFFFFFFF), starts, keys, first_entry, _u64(out))
+    firsts = np.asarray(segments.first_indices, dtype=np.int64)
+    _tie_kernel(np.uint64(call_key & 0xFFFFFFFFFFFFFFFF), starts, keys, firsts, first_entry, _u64(out))
     return out

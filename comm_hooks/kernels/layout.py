@@ -84,6 +84,9 @@ class SignSegments:
     """Entry offsets of the pieces in the flat tensor, plus its total length at the end."""
     keys: tuple[int, ...]
     """One non-negative key per piece."""
+    offsets: tuple[int, ...] = ()
+    """Per piece, the index of its first entry inside its tensor (a shard of it starting there),
+    so a shard draws the coins of the same entries of the whole tensor; empty: all 0."""
 
     def __post_init__(self) -> None:
         if len(self.starts) != len(self.keys) + 1 or not self.keys:
@@ -92,6 +95,13 @@ class SignSegments:
             raise ValueError(f"segment starts {self.starts} must begin at 0 and not decrease")
         if any(k < 0 for k in self.keys):
             raise ValueError("segment keys must be non-negative")
+        if self.offsets and (len(self.offsets) != len(self.keys) or min(self.offsets) < 0):
+            raise ValueError("segment offsets must be empty or one non-negative offset per piece")
+
+    @property
+    def first_indices(self) -> tuple[int, ...]:
+        """Each piece's ``offsets`` entry (0 where none are given)."""
+        return self.offsets or (0,) * len(self.keys)
 
     @classmethod
     def whole(cls, numel: int, key: int = 0) -> "SignSegments":

@@ -83,9 +83,9 @@ def tie_bit(call_key: int, segment_key: int, index: int) -> int:
 def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: int) -> torch.Tensor:
     out = [0] * words
     call_key &= MASK64
-    for s, key in enumerate(segments.keys):
+    for s, (key, first) in enumerate(zip(segments.keys, segments.first_indices)):
         lo, hi = segments.starts[s], segments.starts[s + 1]
         for e in range(max(lo, first_entry), min(hi, first_entry + 64 * words)):
             w, b = divmod(e - first_entry, 64)
-            out[w] |= tie_bit(call_key, key, e - lo) << b
+            out[w] |= tie_bit(call_key, key, e - lo + first) << b
     return _to_int64(out)

@@ -177,10 +177,11 @@ def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: in
     few words that cross a segment boundary (or the end of the data) go entry by entry."""
     starts = torch.tensor(segments.starts, dtype=torch.int64, device=device)
     keys = torch.tensor([as_signed(k & MASK64) for k in segments.keys], dtype=torch.int64, device=device)
+    firsts = torch.tensor(segments.first_indices, dtype=torch.int64, device=device)
     key = as_signed(call_key & MASK64)
     low_entry = first_entry + 64 * torch.arange(words, dtype=torch.int64, device=device)  # [words]
     seg = (torch.searchsorted(starts, low_entry, right=True) - 1).clamp(0, len(segments.keys) - 1)
-    index = low_entry - starts[seg]
+    index = low_entry - starts[seg] + firsts[seg]
     seg_key = _mix64(keys[seg] ^ key)
     block, offset = shift_right(index, 6), index & 63
     first = _mix64(seg_key + block * as_signed(GOLDEN))
@@ -190,7 +191,7 @@ def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: in
     if crossing.numel():
         entries = low_entry[crossing].unsqueeze(1) + torch.arange(64, device=device)  # [k, 64]
         eseg = (torch.searchsorted(starts, entries, right=True) - 1).clamp(0, len(segments.keys) - 1)
-        eindex = entries - starts[eseg]
+        eindex = entries - starts[eseg] + firsts[eseg]
         h = _mix64(_mix64(keys[eseg] ^ key) + shift_right(eindex, 6) * as_signed(GOLDEN))
         bits = ((h >> (eindex & 63)) & 1).masked_fill_(entries >= segments.numel, 0)
         out[crossing] = (bits * _bit_weights(entries.device)).sum(dim=1)
