@@ -28,15 +28,17 @@ def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> torch.Tensor:
+def gather_rows(
+    row: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None, *, inside_node: bool = False
+) -> torch.Tensor:
     """[M, *row.shape]: every rank's ``row`` (an all-gather; ``row`` must have the same shape
-    everywhere); its bytes are added to ``stats``."""
+    everywhere); its bytes are added to ``stats`` (as bytes inside a node where ``inside_node``)."""
     world_size, _ = group_size_rank(group)
     if world_size == 1:
         return row.unsqueeze(0)
     if stats is not None:
         size = (world_size - 1) * row.numel() * row.element_size()
-        stats.add(size, size)
+        stats.add(size, size, inside_node=inside_node)
     rows = row.new_empty(world_size, *row.shape)
     dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)
     return rows

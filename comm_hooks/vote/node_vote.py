@@ -29,15 +29,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..dist import CommStats, NonFiniteError, flatten, mean_all_reduce, nonfinite_flag, split_like
+from ..dist import CommStats, NonFiniteError, flatten, gather_rows, mean_all_reduce, nonfinite_flag, split_like
 from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
 from .topology import NodeLayout
 
-__all__ = ["NodeVoteWork", "node_mean", "owners", "vote_owned", "world_mean", "matrix_cost"]
+__all__ = ["NodeVoteWork", "gather_in_node", "node_mean", "owners", "vote_owned", "world_mean", "matrix_cost"]
 
 
 def _slice(n: int, layout: NodeLayout) -> tuple[int, int]:
@@ -64,7 +63,7 @@ def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) 
     piece[: hi - lo] = flat[lo:hi]
     if layout.rail_group is not None and N > 1:
         mean_all_reduce(piece, layout.rail_group, stats)
-    gathered = _gather_in_node(piece, layout, stats)
+    gathered = gather_in_node(piece, layout, stats)
     flat.copy_(gathered.reshape(-1)[:n])
     return flat
 
@@ -78,17 +77,11 @@ def matrix_cost(param: torch.Tensor) -> float:
     return float(rows * cols * min(rows, cols))
 
 
-def _gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
+def gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
     """[L, k]: every local rank's ``pieces`` ([k], the same k and dtype everywhere)."""
-    L = layout.ranks_per_node
-    if layout.node_group is None or L == 1:
+    if layout.node_group is None or layout.ranks_per_node == 1:
         return pieces.unsqueeze(0)
-    out = pieces.new_empty(L, pieces.numel())
-    dist.all_gather(list(out.unbind(0)), pieces, group=layout.node_group)
-    if stats is not None:
-        size = (L - 1) * pieces.numel() * pieces.element_size()
-        stats.add(size, size, inside_node=True)
-    return out
+    return gather_rows(pieces, layout.node_group, stats, inside_node=True)
 
 
 class NodeVoteWork:
@@ -143,7 +136,7 @@ class NodeVoteWork:
         c = -(-n // self._layout.ranks_per_node)
         piece = torch.zeros(c, dtype=torch.int8, device=voted.device)
         piece[: hi - lo] = voted
-        gathered = _gather_in_node(piece, self._layout, self._stats)  # [L, c]
+        gathered = gather_in_node(piece, self._layout, self._stats)  # [L, c]
         self._out.copy_(gathered.view(-1)[:n])
         self._done = True
         return self._out
@@ -212,7 +205,7 @@ def vote_owned(
     shares = [sum(grads[i].numel() for i in range(len(grads)) if owner[i] == r) for r in range(layout.ranks_per_node)]
     piece = torch.zeros(max(shares), dtype=torch.int8, device=flat.device)
     piece[: voted.numel()] = voted
-    gathered = _gather_in_node(piece, layout, stats)  # [L, max share]
+    gathered = gather_in_node(piece, layout, stats)  # [L, max share]
     offsets = [0] * layout.ranks_per_node
     for i, g in enumerate(grads):
         r = owner[i]
