@@ -2,6 +2,7 @@
 optimizers (SignMuon, Signum-MV, signSGD-MV), the Muon baseline and the DPPF averager."""
 
 from .dppf import DPPFAverager, local_sgd, register_local_sgd_hook
+from .fsdp import check_checkpoint_layout, node_mesh, register_fsdp_vote
 from .functional import (
     MUON_LR_RATIO,
     MUON_UPDATE_RMS,
@@ -36,14 +37,17 @@ __all__ = [
     "ValleyResult",
     "adamw_update",
     "as_matrix",
+    "check_checkpoint_layout",
     "inverse_mean_valley",
     "local_sgd",
     "lr_from_muon",
     "muon_direction",
     "muon_param_groups",
     "newton_schulz",
+    "node_mesh",
     "orthogonalize",
     "polar_direction",
+    "register_fsdp_vote",
     "register_local_sgd_hook",
     "sign_optimizer_from_spec",
     "signum_direction",

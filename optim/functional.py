@@ -68,7 +68,7 @@ def signum_direction(
         return grad
     if bool(advance_momentum(momentum, grad, beta)):
         return grad
-    return grad.lerp(momentum, beta) if nesterov else momentum
+    return grad.to(momentum.dtype).lerp(momentum, beta) if nesterov else momentum
 
 
 def orthogonalize(

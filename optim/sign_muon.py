@@ -31,7 +31,7 @@ from signmuon.comm_hooks.dist import NonFiniteError, nonfinite_flag
 
 from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction, step_size
 from .newton_schulz import MUON_COEFFICIENTS
-from .sign_vote import SignVoteOptimizer
+from .sign_vote import SignVoteOptimizer, state_dtype
 
 __all__ = ["NON_MATRIX_PATHS", "NS_DTYPES", "SignMuon", "parameter_path"]
 
@@ -93,6 +93,7 @@ class SignMuon(SignVoteOptimizer):
         process_group: as :class:`SignumMV`.
         vote_in_step: as :class:`SignumMV`.
         checkpoint_all_ranks: as :class:`SignumMV`.
+        master_weights: as :class:`SignumMV`.
 
     Under the DDP hook (or :meth:`register_backward_reducer`), ``step()`` applies the *sign* of
     what the vote left in ``.grad`` (and leaves that sign in ``.grad``), so gradient clipping,
@@ -122,6 +123,7 @@ class SignMuon(SignVoteOptimizer):
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
         checkpoint_all_ranks: bool = False,
+        master_weights: bool = False,
     ) -> None:
         self.ns_seconds = 0.0  # host seconds in Newton–Schulz, this rank (on a GPU: launch time only)
         defaults = dict(
@@ -132,7 +134,7 @@ class SignMuon(SignVoteOptimizer):
         )  # fmt: skip
         super().__init__(
             params, defaults, vote=vote, process_group=process_group, vote_in_step=vote_in_step,
-            checkpoint_all_ranks=checkpoint_all_ranks,
+            checkpoint_all_ranks=checkpoint_all_ranks, master_weights=master_weights,
         )  # fmt: skip
 
     def check_group(self, group: dict[str, Any]) -> None:
@@ -170,9 +172,10 @@ class SignMuon(SignVoteOptimizer):
     def init_state(self, state: dict[str, Any], param: torch.Tensor, path: str) -> None:
         if path != "adamw":
             return super().init_state(state, param, path)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg"] = torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
         state["step"] = torch.tensor(0.0)
+        self.init_master(state, param)
 
     def _newton_schulz(self, group: dict[str, Any], fn, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -180,24 +183,30 @@ class SignMuon(SignVoteOptimizer):
         self.ns_seconds += time.perf_counter() - start
         return result
 
+    def needs_whole(self, param: torch.Tensor) -> bool:
+        return self._route(param)[1] == "matrix"
+
     @torch.no_grad()
-    def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Pre-vote half on this worker: the Signum direction, orthogonalised on the matrix path
-        (:func:`~signmuon.optim.functional.muon_direction`). Only the signs of the result matter."""
-        direction = super().local_direction(param, grad)
+    def whole_direction(self, param: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+        """Newton–Schulz of the whole matrix's direction (:func:`~signmuon.optim.functional.orthogonalize`)
+        on the matrix path; only the signs of the result matter."""
         group, path = self._route(param)
-        if path != "matrix" or direction is grad and bool(nonfinite_flag(grad)):
-            return direction  # a non-finite gradient is voted as is: every rank skips
+        if path != "matrix":
+            return direction
         return self._newton_schulz(group, orthogonalize, direction)
 
-    def post_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> tuple[torch.Tensor, float]:
-        """D from the voted signs S: S itself, or NS(S) rescaled to entry-RMS 1; matrices move by
-        :func:`~signmuon.optim.functional.step_size`."""
-        if path != "matrix":
-            return voted, group["lr"]
-        if group["polar_after_vote"]:
-            voted = self._newton_schulz(group, polar_direction, voted)
-        return voted, step_size(group["lr"], group["lr_scaling"], param)
+    def finishes(self, group: dict[str, Any], path: str) -> bool:
+        return path == "matrix" and bool(group["polar_after_vote"])
+
+    def finish_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> torch.Tensor:
+        """D from the voted signs S: S itself, or NS(S) rescaled to entry-RMS 1 (``polar_after_vote``)."""
+        if not self.finishes(group, path):
+            return voted
+        return self._newton_schulz(group, polar_direction, voted)
+
+    def step_length(self, group: dict[str, Any], param: torch.Tensor, path: str) -> float:
+        """Matrices move by :func:`~signmuon.optim.functional.step_size`, the rest by ``lr``."""
+        return step_size(group["lr"], group["lr_scaling"], param) if path == "matrix" else group["lr"]
 
     def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
         """AdamW on the all-reduced mean gradient; a non-finite mean skips the parameter."""
@@ -209,7 +218,7 @@ class SignMuon(SignVoteOptimizer):
         state = self.state[param]
         state["step"] += 1
         adamw_update(
-            param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
+            self.update_target(param), grad.to(state["exp_avg"].dtype), state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
             lr=group["lr"] if group["adamw_lr"] is None else group["adamw_lr"], betas=group["adamw_betas"],
             eps=group["adamw_eps"], weight_decay=group["weight_decay"],
         )  # fmt: skip

@@ -21,10 +21,11 @@ On several ranks without either, ``step()`` raises rather than silently applying
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from signmuon.comm_hooks import BackwardReducer, CommStats, NonFiniteError, SignMuonHookState, VoteConfig, sign_muon_hook
 from signmuon.comm_hooks.dist import nonfinite_flag
@@ -34,29 +35,34 @@ from signmuon.comm_hooks.vote import matrix_cost, owners
 from .checkpoint import load_rank_state, rank_state_dict
 from .functional import signum_direction
 
-__all__ = ["SignVoteOptimizer", "SignumMV", "SignSGDMV"]
+if TYPE_CHECKING:
+    from .fsdp import ShardedVote
+
+__all__ = ["SignVoteOptimizer", "SignumMV", "SignSGDMV", "local_tensor", "state_dtype"]
 
 
-def _refuse_sharded(param: torch.Tensor, label: str, optimizer: str) -> None:
-    """A DTensor (FSDP2, tensor parallelism) or sparse parameter fails here, by name, not deep in a kernel."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor has no sharded parameters either
-        return
-    if isinstance(param, DTensor):
-        raise ValueError(
-            f"{label} is a DTensor (sharded by FSDP2's fully_shard or tensor parallelism); {optimizer} votes whole "
-            "local tensors and this version has no FSDP2 entry point: train with DistributedDataParallel, "
-            "with VoteConfig(hierarchical=True) for the node-aware vote"
-        )
+def _refuse_sparse(param: torch.Tensor, label: str, optimizer: str) -> None:
+    """A sparse parameter fails here, by name, not deep in a kernel."""
     if param.layout != torch.strided:
         raise ValueError(f"{label} is a {param.layout} tensor; {optimizer} needs dense parameters")
+
+
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of a parameter's optimizer state: float32 for 16-bit parameters (momentum
+    and Newton–Schulz keep their precision), else the parameter's own."""
+    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its storage, so in-place updates land), else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class SignVoteOptimizer(torch.optim.Optimizer):
     """Base of the sign-vote optimizers: ``W <- W - lr*vote(sign(direction_i)) - lr*lambda*W``.
     Subclasses set the defaults and override :meth:`local_direction` (for other paths also
-    :meth:`path`, :meth:`post_vote`, :meth:`apply_mean`); arguments as :class:`SignumMV`."""
+    :meth:`path`, :meth:`whole_direction`, :meth:`finish_vote`, :meth:`step_length`,
+    :meth:`apply_mean`); arguments as :class:`SignumMV`."""
 
     def __init__(
         self,
@@ -67,8 +73,10 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
         checkpoint_all_ranks: bool = False,
+        master_weights: bool = False,
     ) -> None:
         vote = VoteConfig.of(vote)
+        self.master_weights = bool(master_weights)
         self.vote_config = vote
         self.process_group = process_group
         self.vote_in_step = bool(vote_in_step)
@@ -80,6 +88,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         self._hook_raised_seen = 0
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
         self._owners: tuple[int, dict[torch.Tensor, int]] | None = None  # (L, param -> owning local rank)
+        self.sharded_vote: "ShardedVote | None" = None
+        """The FSDP vote's mesh, voter and shard layout, set by :func:`~signmuon.optim.register_fsdp_vote`."""
         super().__init__(params, defaults)
 
     # -- parameter routing and eager state ------------------------------------------------
@@ -99,7 +109,18 @@ class SignVoteOptimizer(torch.optim.Optimizer):
 
     def init_state(self, state: dict[str, Any], param: torch.Tensor, path: str) -> None:
         """Eager, rank-symmetric state: the same keys and shapes on every rank from step 0."""
-        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["momentum_buffer"] = torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
+        self.init_master(state, param)
+
+    def init_master(self, state: dict[str, Any], param: torch.Tensor) -> None:
+        """With ``master_weights``, a float32 copy of a 16-bit parameter, which the updates go to."""
+        if self.master_weights and state_dtype(param) != param.dtype:
+            state["master_weight"] = local_tensor(param).detach().to(torch.float32, copy=True)
+
+    def update_target(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor an update goes to: the master weight if there is one, else (this rank's part of) ``param``."""
+        master = self.state[param].get("master_weight")
+        return local_tensor(param) if master is None else master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -110,7 +131,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         names = group.get("param_names") or [None] * len(group["params"])
         for index, (p, name) in enumerate(zip(group["params"], names)):
             label = name or f"parameter {index} of group {len(self.param_groups) - 1} (shape {tuple(p.shape)})"
-            _refuse_sharded(p, label, type(self).__name__)
+            _refuse_sparse(p, label, type(self).__name__)
             try:
                 path = self.path(group, p)
             except ValueError as error:
@@ -132,18 +153,43 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     # -- the math: pure functions, one call each --------------------------------------------
 
     @torch.no_grad()
-    def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Pre-vote half on this worker: advance ``param``'s momentum with ``grad`` and return the
-        direction whose signs are voted (:func:`~signmuon.optim.functional.signum_direction`)."""
+    def elementwise_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The part of the pre-vote half that works entry by entry (on a shard too): advance
+        ``param``'s momentum with ``grad`` (:func:`~signmuon.optim.functional.signum_direction`)."""
         group, _ = self._route(param)
         return signum_direction(
             grad, self.state[param]["momentum_buffer"], group["momentum"], nesterov=group.get("nesterov", False),
-            param=param, coupled_weight_decay=group.get("coupled_weight_decay", 0.0),
+            param=self.update_target(param), coupled_weight_decay=group.get("coupled_weight_decay", 0.0),
         )  # fmt: skip
 
-    def post_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> tuple[torch.Tensor, float]:
-        """The update D from the voted signs, and how far one unit of it moves an entry."""
-        return voted, group["lr"]
+    def needs_whole(self, param: torch.Tensor) -> bool:
+        """Whether :meth:`whole_direction` needs the whole tensor (none here)."""
+        return False
+
+    def whole_direction(self, param: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+        """The part that needs the whole tensor (identity here; Newton–Schulz in SignMuon)."""
+        return direction
+
+    @torch.no_grad()
+    def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Pre-vote half on this worker: :meth:`elementwise_direction`, then :meth:`whole_direction`;
+        a non-finite gradient is returned as it is (every rank then skips the vote)."""
+        direction = self.elementwise_direction(param, grad)
+        if not self.needs_whole(param) or direction is grad and bool(nonfinite_flag(grad)):
+            return direction
+        return self.whole_direction(param, direction)
+
+    def finishes(self, group: dict[str, Any], path: str) -> bool:
+        """Whether :meth:`finish_vote` changes the voted signs on ``path`` (it needs the whole tensor)."""
+        return False
+
+    def finish_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> torch.Tensor:
+        """The update D from the voted signs (here the signs themselves)."""
+        return voted
+
+    def step_length(self, group: dict[str, Any], param: torch.Tensor, path: str) -> float:
+        """How far one unit of the update moves an entry."""
+        return group["lr"]
 
     def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
         """The update of a parameter whose mean gradient was all-reduced (no such path here)."""
@@ -157,6 +203,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         ]
         return {"optimizer": type(self).__name__, "vote": self.vote_config.settings(),
                 "vote_in_step": self.vote_in_step, "checkpoint_all_ranks": self.checkpoint_all_ranks,
+                "master_weights": self.master_weights,
                 "groups": groups}  # fmt: skip
 
     def owner(self, param: torch.Tensor, ranks_per_node: int) -> int:
@@ -175,6 +222,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     def comm_state(self) -> SignMuonHookState:
         """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
         if self._comm_state is None:
+            if self.sharded_vote is not None:
+                raise RuntimeError(f"{type(self).__name__} votes FSDP shards (register_fsdp_vote); it cannot also take a DDP hook")
+            self._refuse_dtensors([p for g in self.param_groups for p in g["params"]], type(self).__name__)
             self._comm_state = SignMuonHookState(self, self.process_group, vote=self.vote_config)
             self._hook_raised_seen = 0
         return self._comm_state
@@ -230,8 +280,54 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        name, hook_mode, world_size = type(self).__name__, self._comm_state is not None, self._voter.world_size
+        name = type(self).__name__
         params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {name} "
+                    "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
+                )
+        exchange = self._exchange_sharded if self.sharded_vote is not None else self._exchange
+        voted, signs, averaged, means = exchange(params, name)
+        if self.vote_config.nonfinite == "raise":  # before any parameter moves
+            for (_, p, _), g in zip(averaged, means):
+                if bool(nonfinite_flag(g)):
+                    raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}")
+        for (group, p, path), s in zip(voted, signs):
+            # Sharded: finish_vote ran on the whole tensor at its owner.
+            update = s if self.sharded_vote is not None else self.finish_vote(group, p, s, path)
+            target = self.update_target(p)
+            if group["weight_decay"]:
+                target.mul_(1 - group["lr"] * group["weight_decay"])
+            target.add_(update, alpha=-self.step_length(group, p, path))
+        for (group, p, _), g in zip(averaged, means):
+            self.apply_mean(group, p, g)
+        for _, p, _ in voted + averaged:
+            if "master_weight" in self.state[p]:
+                local_tensor(p).copy_(self.state[p]["master_weight"])  # the parameter: the master, rounded
+        self.steps_taken += 1
+        if self._comm_state is not None:
+            self._comm_state.passes = 0  # the backward pass it checked is now stepped
+        return loss
+
+    def _split(self, params: list[torch.Tensor]) -> tuple[list, list]:
+        """(voted, averaged): (group, param, path) of each parameter, by whether its update is voted."""
+        entries = [(*self._route(p), p) for p in params]
+        return [(g, p, path) for g, path, p in entries if path != "adamw"], [(g, p, path) for g, path, p in entries if path == "adamw"]
+
+    def _refuse_dtensors(self, params: list[torch.Tensor], name: str) -> None:
+        if any(isinstance(p, DTensor) for p in params):
+            raise RuntimeError(
+                f"{name} has DTensor parameters (a model sharded by FSDP2's fully_shard) but no FSDP vote: call "
+                "signmuon.optim.register_fsdp_vote(model, optimizer, mesh) with the (node, local) mesh of "
+                "signmuon.optim.node_mesh(), and shard over mesh['local']; the DDP hook and vote_in_step vote whole tensors"
+            )
+
+    def _exchange(self, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
+        """Unsharded parameters: the voted signs and mean gradients, from the DDP hook or voted here."""
+        self._refuse_dtensors(params, name)
+        hook_mode, world_size = self._comm_state is not None, self._voter.world_size
         if hook_mode:
             self._check_hook_ran()
         elif world_size > 1 and not self.vote_in_step:
@@ -242,60 +338,72 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         elif world_size > 1:
             device = params[0].device if params else torch.device("cpu")
             self._voter.check_settings(self.settings(), f"{name} settings", device)
-        for p in params:
-            if p.grad is not None and p.grad.layout != torch.strided:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {name} "
-                    "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
-                )
         if not hook_mode and world_size > 1:
             params = self._voter.used_on_any_rank(params, self.steps_taken, name)
         else:
             params = [p for p in params if p.grad is not None]
-        entries = [(*self._route(p), p) for p in params]  # (group, path, param)
-        voted = [(g, p, path) for g, path, p in entries if path != "adamw"]
-        averaged = [(g, p, path) for g, path, p in entries if path == "adamw"]
+        voted, averaged = self._split(params)
         if hook_mode:
             # The hook left the vote in .grad; its sign undoes any rescaling since (clipping).
             # In place: a fresh tensor per parameter per step costs more than the sign itself.
-            signs = [p.grad.sign_() for _, p, _ in voted]
-            means = [p.grad for _, p, _ in averaged]
-        else:
-            signs = self._voter.vote(
-                [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
-                lambda i, grad: self.local_direction(voted[i][1], grad),
-                lambda i, ranks_per_node: self.owner(voted[i][1], ranks_per_node),
-                present=[p.grad is not None for _, p, _ in voted], step=self.steps_taken,
-                label=f"{name} step {self.steps_taken}",
-            )  # fmt: skip
-            means = self._voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
-        if self.vote_config.nonfinite == "raise":  # before any parameter moves
-            for (_, p, _), g in zip(averaged, means):
-                if bool(nonfinite_flag(g)):
-                    raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}")
-        for (group, p, path), s in zip(voted, signs):
-            update, length = self.post_vote(group, p, s, path)
-            if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update, alpha=-length)
-        for (group, p, _), g in zip(averaged, means):
-            self.apply_mean(group, p, g)
-        self.steps_taken += 1
-        if hook_mode:
-            self._comm_state.passes = 0  # the backward pass it checked is now stepped
-        return loss
+            return voted, [p.grad.sign_() for _, p, _ in voted], averaged, [p.grad for _, p, _ in averaged]
+        signs = self._voter.vote(
+            [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
+            lambda i, grad: self.local_direction(voted[i][1], grad),
+            lambda i, ranks_per_node: self.owner(voted[i][1], ranks_per_node),
+            present=[p.grad is not None for _, p, _ in voted], step=self.steps_taken,
+            label=f"{name} step {self.steps_taken}",
+        )  # fmt: skip
+        means = self._voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
+        return voted, signs, averaged, means
+
+    def _exchange_sharded(self, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
+        """FSDP2 shards (:func:`~signmuon.optim.register_fsdp_vote`): this rank's shard of each
+        voted update and of each mean gradient; every parameter takes part, with or without a gradient."""
+        sharded = self.sharded_vote
+        device = local_tensor(params[0]).device if params else torch.device("cpu")
+        self._voter.check_settings(self.settings(), f"{name} settings", device)
+        voted, averaged = self._split(params)
+        finish = None
+        if any(self.finishes(g, path) for g, _, path in voted):
+            finish = lambda i, signs: self.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
+        signs = sharded.voter.vote(
+            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in voted],
+            [sharded.specs[p] for _, p, _ in voted],
+            lambda i, grad: self.elementwise_direction(voted[i][1], grad),
+            lambda i, direction: self.whole_direction(voted[i][1], direction),
+            finish, step=self.steps_taken, label=f"{name} step {self.steps_taken}",
+        )  # fmt: skip
+        means = sharded.voter.mean(
+            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in averaged],
+            [tuple(local_tensor(p).shape) for _, p, _ in averaged],
+        )
+        return voted, signs, averaged, means
 
     # -- checkpointing ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus the step count and world size; with ``checkpoint_all_ranks``
-        a collective gathering every rank's momentum (see :func:`~signmuon.optim.checkpoint.rank_state_dict`)."""
+        a collective gathering every rank's momentum (see :func:`~signmuon.optim.checkpoint.rank_state_dict`).
+        On FSDP shards, the DTensors ``torch.distributed.checkpoint`` saves (see :mod:`~signmuon.optim.fsdp`)."""
+        if self.sharded_vote is not None:
+            return self.sharded_vote.state_dict(self, super().state_dict())
         return rank_state_dict(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()``, after checking it fits: same world size (the momentum is each
-        rank's own), and per parameter the same state keys, shapes and floating dtypes."""
-        super().load_state_dict(load_rank_state(self, state_dict))
+        rank's own), and per parameter the same state keys, shapes and floating dtypes. State
+        keeps the dtype it was saved in (float32 momentum of bfloat16 parameters stays float32)."""
+        if self.sharded_vote is not None:
+            state_dict = self.sharded_vote.local_state(self, state_dict)
+        loaded = load_rank_state(self, state_dict)
+        super().load_state_dict(loaded)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+        for p, index in zip(params, saved_ids):  # torch casts state to the parameter's dtype
+            for key, value in loaded["state"].get(index, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point() and key != "step":
+                    self.state[p][key] = value.detach().to(device=local_tensor(p).device, copy=True)
         self.steps_taken = int(state_dict.get("signmuon", {}).get("steps_taken", 0))
         if self._comm_state is not None:
             self._comm_state.passes = 0
@@ -327,6 +435,10 @@ class SignumMV(SignVoteOptimizer):
             local momentum into the one dict (so a checkpoint written by rank 0 alone, as
             DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
             rank's part). Off by default: then each rank saves its own ``state_dict()``.
+        master_weights: keep a float32 copy of every 16-bit (bf16, fp16) parameter in the state;
+            updates go to it and the parameter becomes its rounded copy, so steps smaller than
+            the parameter's 16-bit spacing add up. Momentum is float32 for 16-bit parameters
+            either way.
     """
 
     def __init__(
@@ -340,10 +452,11 @@ class SignumMV(SignVoteOptimizer):
         process_group: dist.ProcessGroup | None = None,
         vote_in_step: bool = False,
         checkpoint_all_ranks: bool = False,
+        master_weights: bool = False,
     ) -> None:
         super().__init__(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), vote=vote, process_group=process_group,
-            vote_in_step=vote_in_step, checkpoint_all_ranks=checkpoint_all_ranks,
+            vote_in_step=vote_in_step, checkpoint_all_ranks=checkpoint_all_ranks, master_weights=master_weights,
         )  # fmt: skip
 
     def check_group(self, group: dict[str, Any]) -> None:

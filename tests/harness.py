@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from signmuon.comm_hooks.kernels import reference
+from signmuon.optim import polar_direction
+from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 from signmuon.comm_hooks.vote.packing import as_bytes, as_words
 
 # --- running a function on M local ranks -----------------------------------------------------
@@ -79,6 +81,58 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank- and step-dependent inputs and labels for ``tiny_net``."""
     gen = torch.Generator().manual_seed(100 * rank + step)
     return torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)
+
+
+# --- the node-level reference: node means, momentum, Newton-Schulz, a vote of the nodes --------
+
+
+def rank_grads(params, rank, step, dtype=torch.float32):
+    """This rank's gradient at ``params`` (a fresh net loaded with them, in ``dtype``), as float32."""
+    net = tiny_net().to(dtype)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), params):
+            p.copy_(v)
+    x, y = batch(rank, step)
+    nn.functional.cross_entropy(net(x.to(dtype)), y).backward()
+    return [p.grad.float() for p in net.parameters()]
+
+
+def node_means(params, step, nodes, per_node, dtype=torch.float32):
+    """Each node's mean gradient, summed in rank order then divided, as the node all-reduce does."""
+    grads = [rank_grads(params, r, step, dtype) for r in range(nodes * per_node)]
+    members = [grads[n * per_node : (n + 1) * per_node] for n in range(nodes)]
+    return [[sum(g[i] for g in node) / per_node for i in range(len(node[0]))] for node in members]
+
+
+def vote_nodes(directions):
+    """sign(sum over nodes of sign(direction)), per tensor (exact ties: 0)."""
+    return [torch.sign(sum(torch.sign(d[i]) for d in directions)) for i in range(len(directions[0]))]
+
+
+def node_reference_step(kind, params, step, nodes, per_node, momenta, lr, beta, polar=False, dtype=torch.float32):
+    """One step of the node-level algorithm from ``params``; updates ``momenta`` (one list per node).
+    ``kind``: "signsgd", "signum" (the hook's mul-add momentum), "signum_mv" (the optimizers' lerp),
+    "signmuon"; ``polar``: SignMuon's post-vote polar step on matrices; ``dtype``: the gradients'
+    (computed at ``params`` rounded to it; the math stays float32)."""
+    torch.set_num_threads(1)  # the workers' thread count: the same float results
+    means = node_means(params, step, nodes, per_node, dtype)
+    if kind == "signsgd":
+        directions = means
+    else:
+        for n in range(nodes):
+            momenta[n] = [m.lerp(g, 1 - beta) if kind != "signum" else beta * m + (1 - beta) * g
+                          for m, g in zip(momenta[n], means[n])]  # fmt: skip
+        if kind in ("signum", "signum_mv"):
+            directions = momenta
+        else:  # SignMuon: Nesterov look-ahead, Newton–Schulz on matrices
+            directions = []
+            for n in range(nodes):
+                looks = [g.lerp(m, beta) for g, m in zip(means[n], momenta[n])]
+                directions.append([newton_schulz(as_matrix(d), 5).view_as(d) if d.dim() >= 2 else d for d in looks])
+    voted = vote_nodes(directions)
+    if polar:
+        voted = [polar_direction(v) if v.dim() >= 2 else v for v in voted]
+    return [p - lr * v for p, v in zip(params, voted)]
 
 
 def capture(fn) -> str | None:

@@ -17,33 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.harness import run_distributed
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook, vote_bytes_per_rank
 from signmuon.optim import SignMuon, SignumMV
-from signmuon.optim.newton_schulz import as_matrix, newton_schulz
-from tests.harness import batch, tiny_net
+from tests.harness import batch, node_means, node_reference_step, tiny_net, vote_nodes
 
 LR, BETA = 0.01, 0.9
-
-
-def _grads(params, rank, step):
-    """This rank's gradient at ``params`` (a fresh net loaded with them)."""
-    net = tiny_net()
-    with torch.no_grad():
-        for p, v in zip(net.parameters(), params):
-            p.copy_(v)
-    x, y = batch(rank, step)
-    nn.functional.cross_entropy(net(x), y).backward()
-    return [p.grad.clone() for p in net.parameters()]
-
-
-def _node_means(params, step, nodes, per_node):
-    """Each node's mean gradient, summed in rank order then divided, as the node all-reduce does."""
-    grads = [_grads(params, r, step) for r in range(nodes * per_node)]
-    members = [grads[n * per_node : (n + 1) * per_node] for n in range(nodes)]
-    return [[sum(g[i] for g in node) / per_node for i in range(len(node[0]))] for node in members]
-
-
-def _vote(directions):
-    """sign(sum over nodes of sign(direction)), per tensor (exact ties: 0)."""
-    return [torch.sign(sum(torch.sign(d[i]) for d in directions)) for i in range(len(directions[0]))]
 
 
 def _hook_worker(rank, world_size, kind, per_node, steps):
@@ -67,26 +43,6 @@ def _hook_worker(rank, world_size, kind, per_node, steps):
     return trajectory, state.stats.state_dict()
 
 
-def _reference_step(kind, params, step, nodes, per_node, momenta):
-    """One step of the node-level algorithm from ``params``; updates ``momenta`` (one list per node)."""
-    torch.set_num_threads(1)  # the workers' thread count: the same float results
-    means = _node_means(params, step, nodes, per_node)
-    if kind == "signsgd":
-        directions = means
-    else:
-        for n in range(nodes):
-            momenta[n] = [m.lerp(g, 1 - BETA) if kind == "signmuon" else BETA * m + (1 - BETA) * g
-                          for m, g in zip(momenta[n], means[n])]  # fmt: skip
-        if kind == "signum":
-            directions = momenta
-        else:  # SignMuon: Nesterov look-ahead, Newton–Schulz on matrices
-            directions = []
-            for n in range(nodes):
-                looks = [g.lerp(m, BETA) for g, m in zip(means[n], momenta[n])]
-                directions.append([newton_schulz(as_matrix(d), 5).view_as(d) if d.dim() >= 2 else d for d in looks])
-    return [p - LR * v for p, v in zip(params, _vote(directions))]
-
-
 @pytest.mark.parametrize(
     "kind, world_size, per_node",
     [("signum", 4, 2), ("signum", 6, 2), ("signsgd", 4, 2), ("signmuon", 4, 2), ("signmuon", 6, 2)],
@@ -101,7 +57,7 @@ def test_node_aware_hook_equals_node_level_reference(kind, world_size, per_node)
     start = 0 if kind == "signmuon" else 1  # the Signum hooks warm up with one all-reduce step
     momenta = [[torch.zeros_like(p) for p in trajectory[0]] for _ in range(nodes)]
     for step in range(start, steps):
-        expected = _reference_step(kind, trajectory[step], step, nodes, per_node, momenta)
+        expected = node_reference_step(kind, trajectory[step], step, nodes, per_node, momenta, LR, BETA)
         for a, b in zip(trajectory[step + 1], expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{kind} step {step}")
     moved = [not torch.equal(a, b) for a, b in zip(trajectory[-1], trajectory[0])]
@@ -130,9 +86,9 @@ def test_node_aware_vote_in_step_equals_node_level_reference():
     momenta = [[torch.zeros_like(p) for p in results[0][0]] for _ in range(2)]
     for step in range(steps):
         # SignumMV's momentum is torch's lerp form: m <- m + (1 - beta)(g - m)
-        means = _node_means(results[0][step], step, 2, per_node)
+        means = node_means(results[0][step], step, 2, per_node)
         momenta = [[m.lerp(g, 1 - BETA) for m, g in zip(momenta[n], means[n])] for n in range(2)]
-        expected = [p - LR * v for p, v in zip(results[0][step], _vote(momenta))]
+        expected = [p - LR * v for p, v in zip(results[0][step], vote_nodes(momenta))]
         for a, b in zip(results[0][step + 1], expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 

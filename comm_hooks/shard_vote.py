@@ -1,0 +1,210 @@
+"""The vote of a sharded model: FSDP2 inside each node, one bit per entry between nodes.
+
+With the model sharded by ``fully_shard`` over the L ranks of a node, FSDP2's reduce-scatter
+leaves local rank l holding rows ``[l*c, (l+1)*c)`` (c = ceil(rows / L), torch.chunk's split)
+of each parameter's node-mean gradient. The vote between nodes then needs no more traffic
+inside the node for tensors whose pre-vote math is elementwise (Signum, signSGD), and one
+gather for those that need the whole tensor (SignMuon's Newton–Schulz). Per step:
+
+1. per tensor, a node-wide flag: NaN or Inf in some rank's shard of its mean;
+2. ``direction(i, shard)``: the elementwise half on this rank's shard (the momentum lives there);
+3. tensors that need the whole: their direction shards are gathered inside the node and the
+   tensor's owner (a local rank, the same on every node) computes ``whole(i, tensor)``;
+4. one vote per rank on its rail (the ranks of its local index, one per node): its shards of
+   the elementwise tensors and the whole tensors it owns, with the coins those entries draw
+   voted unsharded;
+5. owned results, after ``finish(i, voted)`` (the post-vote polar step), are gathered inside
+   the node and every rank keeps its rows.
+
+The voters are the nodes, as in the node-aware DDP vote (``VoteConfig(hierarchical=True)``),
+which computes the same thing from unsharded node means.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .dist import CommStats, mean_all_reduce, nonfinite_flag
+from .kernels.layout import SignSegments
+from .vote import NodeLayout, VoteConfig, VoteWork, gather_in_node
+
+__all__ = ["ShardSpec", "ShardVoter"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One tensor of the vote, sharded by rows over the ranks of a node."""
+
+    shape: tuple[int, ...]
+    """The whole tensor's shape (dimension 0 is the one FSDP2 shards)."""
+    key: int
+    """The tensor's stable number: it keys the tie coins."""
+    owner: int | None = None
+    """The local rank that assembles the whole tensor for ``whole``; None: elementwise."""
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    def rows_per_rank(self, ranks_per_node: int) -> int:
+        return -(-self.shape[0] // ranks_per_node) if self.shape else 1
+
+    def rows(self, ranks_per_node: int, local_rank: int) -> tuple[int, int]:
+        """Rows [lo, hi) of ``local_rank``'s shard (torch.chunk's split; the last may be short or empty)."""
+        rows = self.shape[0] if self.shape else 1
+        c = self.rows_per_rank(ranks_per_node)
+        lo = min(rows, local_rank * c)
+        return lo, min(rows, lo + c)
+
+
+class ShardVoter:
+    """The communication of one optimizer step over row shards (see the module docstring).
+
+    Args:
+        layout: the node group (the ranks a tensor is sharded over) and the rail group.
+        config: the vote's settings (``hierarchical`` is implied: the voters are nodes).
+        stats: where bytes are counted (inside a node and between nodes).
+    """
+
+    __slots__ = ("layout", "config", "stats")
+
+    def __init__(self, layout: NodeLayout, config: VoteConfig, stats: CommStats) -> None:
+        self.layout, self.config, self.stats = layout, config, stats
+
+    def _node_flags(self, shards: Sequence[torch.Tensor | None]) -> list[bool]:
+        """Per tensor: NaN or Inf in the shard of some rank of the node (one tiny all-reduce)."""
+        flags = torch.stack(
+            [nonfinite_flag(s) if s is not None else torch.tensor(False, device=_device_of(shards)) for s in shards]
+        ).to(torch.int32)
+        if self.layout.node_group is not None and self.layout.ranks_per_node > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.layout.node_group)
+            size = 2 * flags.numel() * flags.element_size()
+            self.stats.add(size, size, inside_node=True)
+        return [bool(f) for f in flags.tolist()]
+
+    def vote(
+        self,
+        shards: Sequence[torch.Tensor | None],
+        specs: Sequence[ShardSpec],
+        direction: Callable[[int, torch.Tensor], torch.Tensor],
+        whole: Callable[[int, torch.Tensor], torch.Tensor],
+        finish: Callable[[int, torch.Tensor], torch.Tensor] | None,
+        *,
+        step: int,
+        label: str,
+    ) -> list[torch.Tensor]:
+        """This rank's shard of each tensor's voted update.
+
+        ``shards[i]`` is this rank's shard of tensor i's node-mean gradient (None: no gradient
+        on this node, which then abstains on it). Results are shaped like this rank's shard of
+        ``specs[i].shape``, with entries in {-1, 0, +1} (or ``finish``'s values on whole tensors).
+        """
+        if not shards:
+            return []
+        L, local = self.layout.ranks_per_node, self.layout.local_rank
+        device = _device_of(shards)
+        bad = self._node_flags(shards)
+        usable = [s is not None and not b for s, b in zip(shards, bad)]
+        dirs = [direction(i, s) if ok else None for i, (s, ok) in enumerate(zip(shards, usable))]
+        whole_idx = [i for i, spec in enumerate(specs) if spec.owner is not None]
+        mine = [i for i in whole_idx if specs[i].owner == local]
+        owned = {}
+        if whole_idx:
+            # Each whole tensor's direction shards, padded to c rows, gathered in the node.
+            sizes = [specs[i].rows_per_rank(L) * specs[i].row_numel for i in whole_idx]
+            piece = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            offset = 0
+            for i, size in zip(whole_idx, sizes):
+                if dirs[i] is not None:
+                    piece[offset : offset + dirs[i].numel()] = dirs[i].reshape(-1)
+                offset += size
+            gathered = gather_in_node(piece, self.layout, self.stats)  # [L, sum(sizes)]
+            offset = 0
+            for i, size in zip(whole_idx, sizes):
+                if specs[i].owner == local and usable[i]:
+                    rows = gathered[:, offset : offset + size].reshape(-1)[: math.prod(specs[i].shape)]
+                    owned[i] = whole(i, rows.view(specs[i].shape))
+                offset += size
+        # This rank's rail vote: its shards of elementwise tensors, then the whole tensors it owns.
+        pieces, keys, firsts = [], [], []
+        for i, spec in enumerate(specs):
+            if spec.owner is None:
+                lo, hi = spec.rows(L, local)
+                n = (hi - lo) * spec.row_numel
+                pieces.append(dirs[i].reshape(-1) if dirs[i] is not None else torch.zeros(n, device=device))
+                keys.append(spec.key)
+                firsts.append(lo * spec.row_numel)
+        for i in mine:
+            n = math.prod(specs[i].shape)
+            pieces.append(owned[i].reshape(-1) if i in owned else torch.zeros(n, device=device))
+            keys.append(specs[i].key)
+            firsts.append(0)
+        voter = torch.cat([p.float() for p in pieces]) if pieces else torch.zeros(0, device=device)
+        starts = [0]
+        for p in pieces:
+            starts.append(starts[-1] + p.numel())
+        segments = SignSegments(tuple(starts), tuple(keys), tuple(firsts)) if pieces else None
+        voted = VoteWork(
+            voter, self.layout.rail_group, self.config.rail, step=step, segments=segments, out=voter, stats=self.stats,
+            label=label, tag=step, input_nonfinite=torch.tensor(any(bad), device=device), agree_sizes=False,
+        ).wait()  # fmt: skip
+        results: list[torch.Tensor | None] = [None] * len(specs)
+        cursor = 0
+        for i, spec in enumerate(specs):
+            if spec.owner is None:
+                lo, hi = spec.rows(L, local)
+                n = (hi - lo) * spec.row_numel
+                results[i] = voted[cursor : cursor + n].view((hi - lo, *spec.shape[1:]) if spec.shape else ())
+                cursor += n
+        if whole_idx:
+            self._scatter_owned(voted[cursor:], specs, whole_idx, finish, results, device)
+        return results  # type: ignore[return-value]
+
+    def _scatter_owned(self, voted, specs, whole_idx, finish, results, device) -> None:
+        """Every owner's voted whole tensors (after ``finish``) gathered in the node; each rank keeps its rows."""
+        L, local = self.layout.ranks_per_node, self.layout.local_rank
+        shares = [sum(math.prod(specs[i].shape) for i in whole_idx if specs[i].owner == r) for r in range(L)]
+        dtype = torch.int8 if finish is None else torch.float32  # signs travel as one byte each
+        piece = torch.zeros(max(shares), dtype=dtype, device=device)
+        cursor = 0
+        for i in whole_idx:
+            if specs[i].owner == local:
+                n = math.prod(specs[i].shape)
+                done = voted[cursor : cursor + n].view(specs[i].shape)
+                piece[cursor : cursor + n] = (finish(i, done) if finish is not None else done).reshape(-1)
+                cursor += n
+        gathered = gather_in_node(piece, self.layout, self.stats)  # [L, max share]
+        offsets = [0] * L
+        for i in whole_idx:
+            spec, r = specs[i], specs[i].owner
+            n = math.prod(spec.shape)
+            tensor = gathered[r, offsets[r] : offsets[r] + n].view(spec.shape)
+            lo, hi = spec.rows(L, local)
+            results[i] = tensor[lo:hi].float()
+            offsets[r] += n
+
+    def mean(self, shards: Sequence[torch.Tensor | None], shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        """The mean over every rank of each tensor's node-mean shard (None: zeros): one
+        full-precision all-reduce on the rail."""
+        if not shards:
+            return []
+        device = _device_of(shards)
+        full = [s.float() if s is not None else torch.zeros(shape, device=device) for s, shape in zip(shards, shapes)]
+        flat = torch.cat([f.reshape(-1) for f in full])
+        self.stats.calls += 1
+        mean_all_reduce(flat, self.layout.rail_group, self.stats)
+        out, cursor = [], 0
+        for f in full:
+            out.append(flat[cursor : cursor + f.numel()].view_as(f))
+            cursor += f.numel()
+        return out
+
+
+def _device_of(shards: Sequence[torch.Tensor | None]) -> torch.device:
+    """The device of the first shard present (CPU when none is)."""
+    return next((s.device for s in shards if s is not None), torch.device("cpu"))

@@ -1,0 +1,254 @@
+"""The sign-vote optimizers on a model sharded by FSDP2: shard inside the node, vote between nodes.
+
+Usage (torchrun, N nodes of L ranks)::
+
+    mesh = node_mesh()                                   # DeviceMesh (node, local) = (N, L)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["local"])           # shard over the node only
+    fully_shard(model, mesh=mesh["local"])
+    opt = SignMuon(model.parameters(), lr=2e-3)
+    register_fsdp_vote(model, opt, mesh)
+
+FSDP2's reduce-scatter gives each local rank its shard of the node's mean gradient in full
+precision; ``opt.step()`` advances the momentum on that shard (so optimizer state per rank is
+1/L of DDP's), and votes its signs with the ranks of the same local index on the other nodes,
+one bit per entry (:class:`~signmuon.comm_hooks.shard_vote.ShardVoter`). SignMuon's matrices
+are gathered for Newton–Schulz at an owner inside the node. Do not pass a two-dimensional
+(HSDP) mesh to ``fully_shard``: FSDP2 then all-reduces between nodes in full precision itself.
+
+Checkpoints: ``torch.distributed.checkpoint`` through ``get_state_dict``/``set_state_dict``.
+Each node's momentum is its own, so the optimizer's state dict holds it as a DTensor of shape
+(N, *param.shape) on the (node, local) mesh; DCP writes every node's part. A checkpoint loads
+on the same number of nodes with any number of ranks per node (DCP reshards the rows). On a
+different number of nodes it cannot: :func:`check_checkpoint_layout`, called before
+``dcp.load``, raises naming both layouts (``dcp.load`` alone fails on the momentum's size).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
+from signmuon.comm_hooks.vote import NodeLayout
+
+from .sign_vote import SignVoteOptimizer, local_tensor
+
+__all__ = ["ShardedVote", "check_checkpoint_layout", "node_mesh", "register_fsdp_vote"]
+
+MESH_DIMS = ("node", "local")
+
+
+def node_mesh(ranks_per_node: int | None = None, *, device_type: str | None = None) -> DeviceMesh:
+    """The two-dimensional (node, local) ``DeviceMesh`` of N nodes of L ranks; a collective.
+
+    ``ranks_per_node`` states L; None reads torchrun's ``LOCAL_WORLD_SIZE``. ``device_type``:
+    None takes ``"cuda"`` under the NCCL backend, else ``"cpu"``. Shard with
+    ``fully_shard(module, mesh=mesh["local"])`` and pass the whole mesh to :func:`register_fsdp_vote`.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("node_mesh() needs an initialised process group (torch.distributed.init_process_group)")
+    if ranks_per_node is None:
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise ValueError("node_mesh() needs the node size: run under torchrun (LOCAL_WORLD_SIZE) or pass ranks_per_node")
+        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    world_size = dist.get_world_size()
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be an int >= 1 that divides the world size {world_size}")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node), mesh_dim_names=MESH_DIMS)
+
+
+@dataclass(eq=False)
+class ShardedVote:
+    """What :func:`register_fsdp_vote` gives an optimizer: the mesh, the voter and each voted
+    parameter's :class:`~signmuon.comm_hooks.shard_vote.ShardSpec`."""
+
+    mesh: DeviceMesh
+    voter: ShardVoter
+    specs: dict[torch.Tensor, ShardSpec]
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        return self.mesh.shape[0], self.mesh.shape[1]
+
+    def state_dict(self, optimizer: SignVoteOptimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` as DCP needs it: each node's momentum as a DTensor of shape (N, *shape), the
+        state that every node shares (AdamW's moments) as DTensors like their parameter; the
+        step count and the layout in every param group (the only entries DCP keeps besides state)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        nodes, per_node = self.layout
+        out = {}
+        for index, values in state["state"].items():
+            p = params[index]
+            out[index] = {
+                key: self._as_dtensor(p, value, per_node_state=key == "momentum_buffer") if _is_shard(value, p) else value
+                for key, value in values.items()
+            }
+        info = {"steps_taken": optimizer.steps_taken, "nodes": nodes, "ranks_per_node": per_node}
+        groups = [{**g, "signmuon": info} for g in state["param_groups"]]
+        return {"state": out, "param_groups": groups}
+
+    def _as_dtensor(self, param: torch.Tensor, value: torch.Tensor, *, per_node_state: bool) -> DTensor:
+        if not per_node_state:
+            return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        shape = (self.layout[0], *param.shape)
+        return DTensor.from_local(
+            value.unsqueeze(0), self.mesh, [Shard(0), Shard(1)], run_check=False, shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )  # fmt: skip
+
+    def local_state(self, optimizer: SignVoteOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`state_dict` for this rank, after checking the saved layout."""
+        groups = state_dict.get("param_groups", [])
+        info = groups[0].get("signmuon") if groups else None
+        if info is None or "nodes" not in info:
+            raise ValueError(
+                "this state dict was not saved by a sign-vote optimizer on FSDP shards (no node layout in its param "
+                "groups); save with get_state_dict(model, optimizer) after register_fsdp_vote"
+            )
+        nodes, per_node = self.layout
+        if info["nodes"] != nodes:
+            raise ValueError(
+                f"the checkpoint was saved on {info['nodes']} node(s) x {info['ranks_per_node']} rank(s); this run has "
+                f"{nodes} node(s) x {per_node} rank(s). Each node's momentum is its own: resume on {info['nodes']} "
+                "node(s) (any ranks per node)"
+            )
+        state = {
+            index: {key: _local_part(value) for key, value in values.items()} for index, values in state_dict.get("state", {}).items()
+        }
+        plain = [{k: v for k, v in g.items() if k != "signmuon"} for g in groups]
+        return {"state": state, "param_groups": plain, "signmuon": {"steps_taken": info["steps_taken"]}}
+
+
+def _is_shard(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == local_tensor(param).shape and value.dim() > 0
+
+
+def _local_part(value: Any) -> Any:
+    if not isinstance(value, DTensor):
+        return value
+    local = value.to_local()
+    return local[0] if value.device_mesh.ndim == 2 else local  # (N, ...) per-node state: this node's row
+
+
+def _check_param(name: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"parameter {name} is not sharded (a plain tensor): its gradient would not be averaged inside the node; "
+            "apply fully_shard(module, mesh=mesh['local']) to the root module too, so every parameter is sharded"
+        )
+    if param.device_mesh.ndim != 1:
+        raise ValueError(
+            f"parameter {name} is sharded on a {param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names}: with "
+            "a two-dimensional (HSDP) mesh FSDP2 all-reduces gradients between nodes in full precision before any "
+            "hook, which is what the vote replaces. Shard over the node only, fully_shard(module, mesh=mesh['local']), "
+            "and pass the (node, local) mesh of node_mesh() to register_fsdp_vote"
+        )
+    local = mesh["local"]
+    if param.device_mesh.mesh.tolist() != local.mesh.tolist():
+        raise ValueError(
+            f"parameter {name} is sharded over ranks {param.device_mesh.mesh.tolist()}, but this rank's node is "
+            f"{local.mesh.tolist()} (mesh['local']): shard with fully_shard(module, mesh=mesh['local'])"
+        )
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"parameter {name} has placements {param.placements}; the FSDP vote needs FSDP2's default Shard(0)")
+
+
+def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mesh: DeviceMesh) -> ShardedVote:
+    """Make ``optimizer`` (SignMuon, SignumMV, SignSGDMV) vote between nodes the gradient shards
+    FSDP2 leaves inside each node; returns what it registered (``optimizer.stats`` counts bytes).
+
+    ``model`` is sharded with ``fully_shard(..., mesh=mesh["local"])`` (nested units per block
+    as usual); ``mesh`` is the (node, local) mesh of :func:`node_mesh`. Every parameter of
+    ``model`` that requires a gradient must be in ``optimizer`` and the other way round. Call
+    it on every rank, before the first step. Gradient accumulation: FSDP2's
+    ``model.set_requires_gradient_sync(False)`` on all but the last micro-batch (the vote runs in
+    ``step()``, once per step).
+    """
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, SignVoteOptimizer):
+        raise TypeError(f"register_fsdp_vote takes SignMuon, SignumMV or SignSGDMV, not {name}")
+    if optimizer.vote_in_step or optimizer.has_comm_hook:
+        raise ValueError(f"{name} already votes by vote_in_step or a DDP hook; create it without them for the FSDP vote")
+    if optimizer.sharded_vote is not None:
+        raise ValueError(f"register_fsdp_vote was already called for this {name}")
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        got = f"a {mesh.ndim}-D mesh {mesh.mesh_dim_names}" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+        raise ValueError(
+            f"register_fsdp_vote needs the two-dimensional (node, local) mesh of node_mesh(), got {got}; shard the "
+            "model over mesh['local'] and pass the whole mesh here"
+        )
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for n, p in named:
+        _check_param(n, p, mesh)
+    in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in named if p not in in_optimizer]
+    if missing or len(in_optimizer) != len(named):
+        raise ValueError(
+            f"the optimizer and the model's trainable parameters differ (not in the optimizer: {missing[:5]}); "
+            "every parameter needs its node's vote, so give the optimizer all of model.parameters()"
+        )
+    nodes, per_node = mesh.shape
+    ranks_per_node = optimizer.vote_config.ranks_per_node
+    if ranks_per_node is not None and ranks_per_node != per_node:
+        raise ValueError(f"VoteConfig(ranks_per_node={ranks_per_node}) but the mesh has {per_node} ranks per node")
+    layout = NodeLayout(
+        dist.get_world_size(), dist.get_rank(), per_node, nodes, mesh["local"].get_group(), mesh["node"].get_group()
+    )
+    voted = [p for g in optimizer.param_groups for p in g["params"] if optimizer.votes(p)]
+    specs = {}
+    for key, p in enumerate(voted):
+        spec = ShardSpec(tuple(p.shape), key, optimizer.owner(p, per_node) if optimizer.needs_whole(p) else None)
+        lo, hi = spec.rows(per_node, layout.local_rank)
+        if p.dim() == 0 or local_tensor(p).shape[0] != hi - lo:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is not split by rows as FSDP2 splits (rows {lo}..{hi} here)")
+        specs[p] = spec
+    for p in in_optimizer:  # the optimizer works on this rank's shards from now on
+        state = optimizer.state[p]
+        for key, value in list(state.items()):
+            if isinstance(value, DTensor):
+                state[key] = value.to_local()
+    sharded = ShardedVote(mesh, ShardVoter(layout, optimizer.vote_config, optimizer.stats), specs)
+    optimizer.sharded_vote = sharded
+    return sharded
+
+
+def check_checkpoint_layout(checkpoint_id: Any, optimizer: SignVoteOptimizer) -> tuple[int, int]:
+    """The (nodes, ranks per node) a DCP checkpoint's momentum was saved on; ValueError naming
+    both layouts if ``optimizer`` (after :func:`register_fsdp_vote`) cannot resume from it.
+
+    ``checkpoint_id``: a checkpoint directory or a DCP ``StorageReader``. The rule: the same
+    number of nodes, any number of ranks per node. Reads the metadata only; call it on every rank
+    before ``dcp.load``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    sharded = optimizer.sharded_vote
+    if sharded is None:
+        raise ValueError("check_checkpoint_layout needs an optimizer registered with register_fsdp_vote")
+    reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
+    saved = [
+        md for key, md in reader.read_metadata().state_dict_metadata.items()
+        if key.endswith(".momentum_buffer") and isinstance(md, TensorStorageMetadata)
+    ]  # fmt: skip
+    if not saved:
+        raise ValueError(f"{checkpoint_id}: no per-node momentum in this checkpoint (was it saved after register_fsdp_vote?)")
+    nodes = saved[0].size[0]
+    # Node 0's non-empty row shards: the ranks per node it was saved with.
+    per_node = max(sum(1 for c in md.chunks if c.offsets[0] == 0 and (len(c.sizes) < 2 or c.sizes[1] > 0)) for md in saved)
+    now_nodes, now_per_node = sharded.layout
+    if nodes != now_nodes:
+        raise ValueError(
+            f"the checkpoint was saved on {nodes} node(s) x {per_node} rank(s); this run has {now_nodes} node(s) x "
+            f"{now_per_node} rank(s). Each node's momentum is its own: resume on {nodes} node(s) (any ranks per node)"
+        )
+    return nodes, per_node

@@ -1,0 +1,255 @@
+"""The vote on FSDP2 shards (register_fsdp_vote), on gloo ranks grouped into nodes of 2:
+equal to the node-level reference (node means -> momentum -> Newton-Schulz -> sign -> vote of
+the nodes) and to the node-aware unsharded paths; bytes; state per rank; bf16; gradient
+accumulation; DCP checkpoints; refusals."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.comm_hooks import VoteConfig, vote_bytes_per_rank
+from signmuon.optim import SignMuon, SignSGDMV, SignumMV, check_checkpoint_layout, node_mesh, register_fsdp_vote
+from tests.harness import batch, capture, node_reference_step, run_distributed, tiny_net
+
+LR, BETA, STEPS = 0.01, 0.9, 3
+KINDS = ("signsgd", "signum_mv", "signmuon", "signmuon_polar")
+
+
+def _optimizer(kind, params, vote, **options):
+    if kind == "signsgd":
+        return SignSGDMV(params, lr=LR, vote=vote, **options)
+    if kind == "signum_mv":
+        return SignumMV(params, lr=LR, momentum=BETA, vote=vote, **options)
+    return SignMuon(params, lr=LR, momentum=BETA, polar_after_vote=kind == "signmuon_polar", vote=vote, **options)
+
+
+def _sharded_net(mesh, **fsdp_options):
+    net = tiny_net()
+    for layer in (net[0], net[2]):  # nested units, as per-block wrapping does
+        fully_shard(layer, mesh=mesh["local"], **fsdp_options)
+    fully_shard(net, mesh=mesh["local"], **fsdp_options)
+    return net
+
+
+def _whole(net):
+    return [p.full_tensor().detach().clone() for p in net.parameters()]
+
+
+def _train(net, opt, rank, steps=STEPS, model=None):
+    model = model or net
+    trajectory = [_whole(net) if hasattr(next(net.parameters()), "full_tensor") else [p.detach().clone() for p in net.parameters()]]
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        params = list(net.parameters())
+        trajectory.append(_whole(net) if hasattr(params[0], "full_tensor") else [p.detach().clone() for p in params])
+    return trajectory
+
+
+def _reference_worker(rank, world_size, per_node):
+    mesh = node_mesh(per_node)
+    out = {}
+    for kind in KINDS:
+        net = _sharded_net(mesh)
+        opt = _optimizer(kind, net.parameters(), VoteConfig(tie="exact"))
+        register_fsdp_vote(net, opt, mesh)
+        out[kind] = _train(net, opt, rank)
+    # The node-aware unsharded paths on the same data: vote_in_step with the same tie coins,
+    # and the DDP hook (its coins are keyed by bucket order, so exact ties there).
+    for name, config in (("fast", VoteConfig()), ("exact", VoteConfig(tie="exact"))):
+        net = _sharded_net(mesh)
+        opt = _optimizer("signmuon", net.parameters(), config)
+        register_fsdp_vote(net, opt, mesh)
+        out[f"fsdp_{name}"] = _train(net, opt, rank)
+    net = tiny_net()
+    opt = _optimizer("signmuon", net.parameters(), VoteConfig(hierarchical=True, ranks_per_node=per_node), vote_in_step=True)
+    out["in_step_fast"] = _train(net, opt, rank)
+    net = tiny_net()
+    model = DDP(net, bucket_cap_mb=0.0005)
+    opt = _optimizer("signmuon", net.parameters(), VoteConfig(tie="exact", hierarchical=True, ranks_per_node=per_node))
+    opt.register_comm_hook(model)
+    out["ddp_exact"] = _train(net, opt, rank, model=model)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_fsdp_vote_equals_the_node_level_reference_and_the_node_aware_ddp_path(world_size):
+    per_node = 2
+    nodes = world_size // per_node
+    results = run_distributed(_reference_worker, world_size, per_node, timeout=400)
+    for result in results[1:]:
+        for key in results[0]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0][key][-1], result[key][-1])), f"{key}: replicas differ"
+    out = results[0]
+    for kind in KINDS:
+        trajectory = out[kind]
+        momenta = [[torch.zeros_like(p) for p in trajectory[0]] for _ in range(nodes)]
+        base = "signmuon" if kind.startswith("signmuon") else kind
+        for step in range(STEPS):
+            expected = node_reference_step(
+                base, trajectory[step], step, nodes, per_node, momenta, LR, BETA if kind != "signsgd" else 0.0,
+                polar=kind == "signmuon_polar",
+            )  # fmt: skip
+            for a, b in zip(trajectory[step + 1], expected):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{kind} step {step}")
+        assert all(not torch.equal(a, b) for a, b in zip(trajectory[-1], trajectory[0])), kind
+    for fsdp, unsharded in (("fsdp_fast", "in_step_fast"), ("fsdp_exact", "ddp_exact")):
+        for step, (a_params, b_params) in enumerate(zip(out[fsdp], out[unsharded])):
+            for a, b in zip(a_params, b_params):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{fsdp} vs {unsharded}, step {step}")
+
+
+def _bytes_worker(rank, world_size, per_node, kind):
+    mesh = node_mesh(per_node)
+    net = _sharded_net(mesh)
+    opt = _optimizer(kind, net.parameters(), VoteConfig())
+    register_fsdp_vote(net, opt, mesh)
+    _train(net, opt, rank, steps=1)
+    sharded = opt.sharded_vote
+    local = rank % per_node
+    voted = 0
+    for p, spec in sharded.specs.items():
+        if spec.owner is None:
+            lo, hi = spec.rows(per_node, local)
+            voted += (hi - lo) * spec.row_numel
+        elif spec.owner == local:
+            voted += p.numel()
+    state = sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return opt.stats.bytes_sent_between_nodes, voted, state
+
+
+@pytest.mark.parametrize("kind", ["signum_mv", "signmuon"])
+def test_between_node_bytes_follow_the_formula_and_state_is_one_shard(kind):
+    world_size, per_node = 4, 2
+    results = run_distributed(_bytes_worker, world_size, per_node, kind)
+    ddp_state = sum(p.numel() for p in tiny_net().parameters())  # one momentum per parameter
+    for between, voted, state in results:
+        assert between == vote_bytes_per_rank(voted, world_size // per_node, agree_sizes=False)
+        assert state <= ddp_state / per_node + 2 * 12  # the momentum of this rank's rows (uneven splits: a row more)
+    assert sum(r[2] for r in results[:per_node]) == ddp_state  # the node holds each momentum entry once
+
+
+def _precision_worker(rank, world_size, reduce_dtype, accumulate):
+    mesh = node_mesh(2)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    net = _sharded_net(mesh, mp_policy=policy)
+    opt = SignMuon(net.parameters(), lr=LR, momentum=BETA)
+    register_fsdp_vote(net, opt, mesh)
+    before = _whole(net)
+    for step in range(2):
+        opt.zero_grad()
+        micro = [batch(rank, 10 * step + m) for m in range(2)] if accumulate else [batch(rank, step)]
+        for m, (x, y) in enumerate(micro):
+            net.set_requires_gradient_sync(m == len(micro) - 1)
+            nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    dtypes = sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0})
+    return before, _whole(net), dtypes, opt.stats.calls
+
+
+@pytest.mark.parametrize("reduce_dtype, accumulate", [(torch.float32, False), (torch.bfloat16, True)])
+def test_bf16_mixed_precision_and_gradient_accumulation(reduce_dtype, accumulate):
+    results = run_distributed(_precision_worker, 4, reduce_dtype, accumulate)
+    before, after, dtypes, _ = results[0]
+    assert dtypes == ["torch.float32"]  # momentum in float32 under bf16 compute
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(after, other[1]))
+    for a, b in zip(before, after):
+        # Every entry moves by lr per step (a sign step), so each differs from the start.
+        assert (a - b).abs().max() <= 2 * LR + 1e-6 and not torch.equal(a, b)
+
+
+def _refusal_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = node_mesh(2)
+    errors = {}
+    net = _sharded_net(mesh)
+    opt = SignMuon(net.parameters(), lr=LR)
+    nn.functional.cross_entropy(net(batch(rank, 0)[0]), batch(rank, 0)[1]).backward()
+    errors["no_entry_point"] = capture(opt.step)
+    errors["ddp_hook"] = capture(lambda: opt.comm_state)
+    errors["one_d_mesh"] = capture(lambda: register_fsdp_vote(net, opt, mesh["local"]))
+    hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp = tiny_net()
+    fully_shard(hsdp, mesh=hsdp_mesh)
+    errors["hsdp"] = capture(lambda: register_fsdp_vote(hsdp, SignumMV(hsdp.parameters(), lr=LR), mesh))
+    partial = _sharded_net(mesh)
+    errors["missing"] = capture(lambda: register_fsdp_vote(partial, SignumMV(list(partial.parameters())[:2], lr=LR), mesh))
+    plain = tiny_net()
+    errors["unsharded"] = capture(lambda: register_fsdp_vote(plain, SignumMV(plain.parameters(), lr=LR), mesh))
+    return errors
+
+
+def test_refusals_name_what_to_do():
+    results = run_distributed(_refusal_worker, 4)
+    errors = results[0]
+    assert all(r == errors for r in results[1:]), "every rank raises the same"
+    assert "register_fsdp_vote" in errors["no_entry_point"] and "node_mesh" in errors["no_entry_point"]
+    assert "register_fsdp_vote" in errors["ddp_hook"]
+    assert "(node, local) mesh" in errors["one_d_mesh"] and "1-D" in errors["one_d_mesh"]
+    assert "HSDP" in errors["hsdp"] and "mesh['local']" in errors["hsdp"]
+    assert "not in the optimizer" in errors["missing"]
+    assert "not sharded" in errors["unsharded"]
+
+
+def _checkpoint_worker(rank, world_size, path, per_node, phase):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = node_mesh(per_node)
+    net = _sharded_net(mesh)
+    opt = SignMuon(net.parameters(), lr=LR, momentum=BETA)
+    register_fsdp_vote(net, opt, mesh)
+
+    def run(start, steps):
+        for step in range(start, start + steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        return _whole(net)
+
+    def momenta():  # every node's momentum, (N, *shape) per parameter
+        return {k: v["momentum_buffer"].full_tensor() for k, v in get_state_dict(net, opt)[1]["state"].items()}
+
+    if phase == "save":
+        run(0, 2)
+        model_state, optim_state = get_state_dict(net, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        return run(2, 2), momenta()
+    error = capture(lambda: check_checkpoint_layout(path, opt))
+    if error is not None:
+        return error
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    error = capture(lambda: dcp.load(state, checkpoint_id=path))
+    if error is None:
+        error = capture(lambda: set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]))
+    if error is not None:
+        return error
+    assert opt.steps_taken == 2
+    loaded = momenta()
+    return run(2, 2), loaded
+
+
+def test_dcp_resume_is_bit_identical_and_a_different_node_count_is_refused(tmp_path):
+    path = str(tmp_path / "checkpoint")
+    continued = run_distributed(_checkpoint_worker, 4, path, 2, "save")
+    resumed = run_distributed(_checkpoint_worker, 4, path, 2, "load")
+    for (a, _), (b, _) in zip(continued, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "resume on the same layout"
+    loaded = resumed[0][1]  # every node's momentum as loaded on 2 nodes x 2
+    one_rank_nodes = run_distributed(_checkpoint_worker, 2, path, 1, "load")  # 2 nodes of 1 rank: DCP reshards the rows
+    assert not isinstance(one_rank_nodes[0], str), one_rank_nodes[0]
+    for key, value in loaded.items():
+        assert value.shape[0] == 2 and torch.equal(one_rank_nodes[0][1][key], value), key
+        assert not torch.equal(value[0], value[1]), "each node keeps its own momentum"
+    assert set(loaded) == set(continued[0][1])
+    other = run_distributed(_checkpoint_worker, 4, path, 1, "load")  # 4 nodes of 1
+    assert all(isinstance(e, str) for e in other), "every rank refuses"
+    assert "2 node(s) x 2 rank(s)" in other[0] and "4 node(s) x 1 rank(s)" in other[0], other[0]
