@@ -42,8 +42,11 @@ def _config(gas=1, optimizer_type="SignMuon", **extra):
     }
 
 
-def _deepspeed_run(rank, world_size, gas, steps, start=0, load=None, save=None, scheduler=False, overlap=True, clip=0.0):
+def _deepspeed_run(
+    rank, world_size, gas, steps, start=0, load=None, save=None, scheduler=False, overlap=True, clip=0.0, bf16=False
+):
     extra = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}}} if scheduler else {}
+    extra |= {"bf16": {"enabled": True}} if bf16 else {}
     model = _model()
     config = {**_config(gas, **extra), "gradient_clipping": clip}
     engine, optimizer, _, lr_scheduler = initialize(model=model, config=config, overlap_backward=overlap)
@@ -54,7 +57,7 @@ def _deepspeed_run(rank, world_size, gas, steps, start=0, load=None, save=None, 
     for step in range(start, start + steps):
         for micro in range(gas):
             x, y = _micro_batch(rank, step, micro)
-            engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.backward(nn.functional.cross_entropy(engine(x.bfloat16() if bf16 else x), y))
             # Overlapped: the vote (entries in {-1, 0, 1}) is in .grad when backward returns,
             # and only at the accumulation boundary.
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -65,15 +68,16 @@ def _deepspeed_run(rank, world_size, gas, steps, start=0, load=None, save=None, 
     if save:
         engine.save_checkpoint(save, tag="t")
     hook_calls = optimizer.comm_state.stats.calls if overlap else 0
+    masters = [optimizer.state[p]["master_weight"].clone() for p in model.parameters()] if bf16 else []
     return dict(
         history=history, lrs=lrs, scheduler=type(lr_scheduler).__name__, voted_in_backward=voted_in_backward,
-        hook_calls=hook_calls, step_bytes=optimizer.stats.bytes_sent,
+        hook_calls=hook_calls, step_bytes=optimizer.stats.bytes_sent, masters=masters,
     )  # fmt: skip
 
 
-def _ddp_run(rank, world_size, gas, steps):
-    net = _model()
-    opt = SignMuon(net.parameters(), **OPT_PARAMS)
+def _ddp_run(rank, world_size, gas, steps, bf16=False):
+    net = _model().to(torch.bfloat16 if bf16 else torch.float32)
+    opt = SignMuon(net.parameters(), **OPT_PARAMS, master_weights=bf16)
     model = DDP(net)
     opt.register_comm_hook(model)
     history = []
@@ -83,7 +87,8 @@ def _ddp_run(rank, world_size, gas, steps):
             x, y = _micro_batch(rank, step, micro)
             sync = contextlib.nullcontext() if micro == gas - 1 else model.no_sync()
             with sync:  # no_sync must cover the forward too
-                (nn.functional.cross_entropy(model(x), y) / gas).backward()  # DeepSpeed scales by 1/gas too
+                loss = nn.functional.cross_entropy(model(x.bfloat16() if bf16 else x), y)
+                (loss / gas).backward()  # DeepSpeed scales by 1/gas too
         opt.step()
         history.append([p.detach().clone() for p in net.parameters()])
     return dict(history=history)
@@ -117,6 +122,23 @@ def test_config_signmuon_equals_ddp_hook_step_for_step(gas, overlap, clip):
     assert not torch.equal(results[0][0]["history"][0][0], results[0][0]["history"][-1][0])
     for a, b in zip(results[0][0]["history"][-1], results[1][0]["history"][-1]):
         assert torch.equal(a, b), "replicas diverged"
+
+
+def _bf16_both(rank, world_size):
+    return _deepspeed_run(rank, world_size, 1, STEPS, bf16=True), _ddp_run(rank, world_size, 1, STEPS, bf16=True)
+
+
+def test_bf16_votes_bf16_gradients_and_updates_float32_master_weights():
+    results = run_distributed(_bf16_both, 2, timeout=600)
+    for rank, (ds, ddp) in enumerate(results):
+        for step in range(STEPS):
+            for a, b in zip(ds["history"][step], ddp["history"][step]):
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b), f"rank {rank} step {step}"
+        for p, master in zip(ds["history"][-1], ds["masters"]):
+            assert master.dtype == torch.float32 and torch.equal(p, master.bfloat16())
+        # The masters hold what bf16 cannot: updates of lr=0.01 accumulate below bf16's spacing.
+        assert any(not torch.equal(m, m.bfloat16().float()) for m in ds["masters"])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0]["history"][-1], results[1][0]["history"][-1]))
 
 
 def test_checkpoint_resume_and_scheduler(tmp_path):
@@ -161,7 +183,8 @@ def test_config_without_our_types_is_plain_deepspeed():
          r"unknown params \['betas'\].*valid: \[.*'momentum'"),
         (_config(zero_optimization={"stage": 2}), "ZeRO stage 2.*stage\": 0"),
         (_config(fp16={"enabled": True}), "fp16.*fp32"),
-        (_config(bf16={"enabled": True}), "bf16.*matrix shapes"),
+        (_config(bf16={"enabled": True, "immediate_grad_update": True}), r"bf16 settings \['immediate_grad_update'\]"),
+        (_config(zero_optimization={"stage": 1}), "momentum must stay whole.*register_fsdp_vote"),
         (_config(optimizer_type="SIGNUMMV") | {"optimizer": {"type": "SIGNUMMV", "params": {"polar_after_vote": True}}},
          r"unknown params \['polar_after_vote'\] for optimizer SIGNUMMV"),
         (_config(csv_monitor={"enabled": True, "output_path": "logs", "job_name": "../x"}), "csv_monitor.job_name='../x'"),

@@ -16,7 +16,7 @@ __all__ = ["OPTIMIZER_TYPES", "check_supported", "initialize"]
 
 OPTIMIZER_TYPES = SIGN_OPTIMIZERS
 # Set by the integration itself, so not settable from the config.
-_RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks", "vote")
+_RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks", "vote", "master_weights")
 
 
 def _deepspeed():
@@ -56,24 +56,28 @@ def _check_monitor_names(config: dict[str, Any]) -> None:
 
 
 def check_supported(config: dict[str, Any], name: str) -> None:
-    """Raise ValueError if DeepSpeed ``config`` cannot run optimizer ``name`` (ZeRO >= 1, fp16, bf16)."""
+    """Raise ValueError if DeepSpeed ``config`` cannot run optimizer ``name`` (ZeRO >= 1, fp16,
+    bf16 with settings other than ``enabled``)."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage:
         raise ValueError(
-            f"optimizer {name} with ZeRO stage {stage}: ZeRO reduces and partitions full-precision gradients, "
-            "which is the communication the majority vote replaces; use \"zero_optimization\": {\"stage\": 0}"
+            f"optimizer {name} with ZeRO stage {stage}: ZeRO partitions the optimizer state across all ranks, but each "
+            "worker's momentum must stay whole (it is that worker's vote), and ZeRO reduces full-precision gradients, "
+            "which is the communication the vote replaces. Use \"zero_optimization\": {\"stage\": 0}, or shard the "
+            "model inside each node with FSDP2 and vote between nodes: signmuon.optim.register_fsdp_vote"
         )
     if config.get("fp16", {}).get("enabled", False):
         raise ValueError(
             f"optimizer {name} with fp16: DeepSpeed's fp16 optimizer adds loss scaling (which a sign vote "
-            "does not need) and flattens the parameters; train in fp32, with torch.autocast for "
-            "half-precision compute in the forward pass"
+            "does not need) and flattens the parameters; use \"bf16\": {\"enabled\": true} or fp32 with "
+            "torch.autocast for half-precision compute in the forward pass"
         )
-    if config.get("bf16", {}).get("enabled", False):
+    bf16 = config.get("bf16", {})
+    if bf16.get("enabled", False) and set(bf16) - {"enabled"}:
         raise ValueError(
-            f"optimizer {name} with bf16: DeepSpeed's bf16 optimizer replaces the parameters with flat "
-            "fp32 partitions, losing the matrix shapes Newton–Schulz needs; train in fp32, with "
-            "torch.autocast(dtype=torch.bfloat16) for bf16 compute in the forward pass"
+            f"optimizer {name} with bf16 settings {sorted(set(bf16) - {'enabled'})}: with our optimizers bf16 means bf16 "
+            "parameters and gradients with float32 master weights and momentum in the optimizer; give only "
+            "\"bf16\": {\"enabled\": true}"
         )
 
 
@@ -113,9 +117,13 @@ def initialize(
     only checkpoints you wrote, or save our own per-rank files, which load with
     ``weights_only=True`` (docs/reliability.md).
 
-    Supported with our types: ZeRO stage 0 in fp32 (use ``torch.autocast`` for low-precision
-    compute); ZeRO >= 1, fp16 and bf16 (whose DeepSpeed optimizers flatten the parameters)
-    are refused here with the reason and what to use instead. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep
+    Supported with our types: ZeRO stage 0, in fp32 or with ``"bf16": {"enabled": true}``. In
+    bf16 the model is cast to bfloat16 (as DeepSpeed casts it; feed bf16 inputs), the vote runs
+    on the bf16 gradients, and the optimizer keeps float32 master weights and momentum
+    (``master_weights=True``): DeepSpeed's own bf16 optimizer, which flattens the parameters and
+    would lose the matrix shapes Newton–Schulz needs, is not used. ZeRO >= 1 (it partitions each
+    worker's momentum, which must stay whole; for sharded models see
+    :func:`~signmuon.optim.register_fsdp_vote`) and fp16 are refused with the reason. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep
     every rank's local momentum, which DeepSpeed's rank-0 file would otherwise lose.
 
     Returns:
@@ -134,14 +142,17 @@ def initialize(
         raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
     check_supported(loaded, name)
     vote = VoteConfig.from_dict(loaded.get("vote", {}))
+    bf16 = bool(loaded.get("bf16", {}).get("enabled", False))
+    if bf16:
+        model.to(torch.bfloat16)  # what DeepSpeed's bf16 does to the module; master weights stay float32 below
     trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     # checkpoint_all_ranks: DeepSpeed writes the optimizer state from rank 0 only, but
     # the momentum is each worker's own.
     opt = sign_optimizer_from_spec(
         {"type": name, "params": spec.get("params", {})}, trainable, reserved=_RESERVED,
-        vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=True,
+        vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=True, master_weights=bf16,
     )  # fmt: skip
-    config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote")}
+    config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote", "bf16")}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         model=model, config=config_rest, optimizer=opt, **kwargs
     )
