@@ -3,7 +3,9 @@
 Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD, and
 our hooks (signSGD-MV, Signum-MV, SignMuon; ``*_node``: the node-aware vote, full precision
 inside a node and one bit between nodes), all in one run, as ratios to the fp32 all-reduce
-step. Bytes per rank per step come from the hooks' own statistics or the ring all-reduce
+step; and sharded models (``fsdp_*``): FSDP2 over every rank with SGD (the fp32
+reduce-scatter baseline), or FSDP2 inside each node with the vote between nodes
+(``register_fsdp_vote``). "opt MB/rank" is the optimizer state each rank holds. Bytes per rank per step come from the hooks' own statistics or the ring all-reduce
 formula; "bits/entry" is 8 x bytes / (parameters x 2(M-1)/M), the bandwidth-optimal
 all-reduce's cost per entry (32 for fp32, 1 for an ideal 1-bit vote). Each step draws one of
 four batches, so ReLU's dead units differ from step to step as in training.
@@ -15,6 +17,7 @@ four batches, so ReLU's dead units differ from step to step as in training.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 
@@ -29,10 +32,12 @@ from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_call
 from signmuon.benchmarks.registry import names_for
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.comm_hooks.dist import ring_bytes
-from signmuon.optim import SignMuon
+from signmuon.benchmarks.methods import fsdp_traffic, shard_blocks
+from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
 
 METHODS = names_for("ddp-step")
 NODE_AWARE = {"signsgd_mv_node": "signsgd_mv", "signum_mv_node": "signum_mv", "signmuon_node": "signmuon"}
+FSDP = {"fsdp_reduce_scatter": None, "fsdp_signum_mv": SignumMV, "fsdp_signmuon": SignMuon}
 
 
 def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Module:
@@ -62,18 +67,45 @@ def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> ob
     return None
 
 
+def _fsdp(method: str, args: argparse.Namespace, device: torch.device):
+    """(model, optimizer, stats owner or None, ranks FSDP2 shards over) for an ``fsdp_*`` row."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net = mlp(args.width, args.depth).to(device)
+    optimizer = FSDP[method]
+    if optimizer is None:
+        world_size = dist.get_world_size()
+        shard_blocks(net, init_device_mesh(device.type, (world_size,)))
+        return net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9), None, world_size
+    mesh = node_mesh(args.ranks_per_node, device_type=device.type)
+    shard_blocks(net, mesh["local"])
+    opt = optimizer(net.parameters(), lr=1e-3)
+    register_fsdp_vote(net, opt, mesh)
+    return net, opt, opt, mesh.shape[1]
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (its shards of sharded state)."""
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+    return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v) and v.dim() > 0)
+
+
 def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[str]) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     rows = []
     for method in methods:
         torch.manual_seed(0)
-        model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-        vote = VoteConfig(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else VoteConfig()
-        if NODE_AWARE.get(method, method) == "signmuon":
-            opt = SignMuon(model.parameters(), lr=1e-3, vote=vote)
+        shard_ranks = None
+        if method in FSDP:
+            model, opt, state, shard_ranks = _fsdp(method, args, device)
         else:
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        state = _register(model, method, None, opt, vote)
+            model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+            vote = VoteConfig(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else VoteConfig()
+            if NODE_AWARE.get(method, method) == "signmuon":
+                opt = SignMuon(model.parameters(), lr=1e-3, vote=vote)
+            else:
+                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            state = _register(model, method, None, opt, vote)
         gen = torch.Generator().manual_seed(rank)
         batches = [
             (torch.randn(args.batch, 512, generator=gen).to(device), torch.randint(0, 10, (args.batch,), generator=gen).to(device))
@@ -94,7 +126,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         between_before = state.stats.bytes_sent_between_nodes if hooked else 0
         times = timed_calls(step, args.steps, device)
         params = sum(p.numel() for p in model.parameters())
-        if hooked:
+        if shard_ranks is not None:  # FSDP2's own collectives by formula, plus the vote as measured
+            per_step = fsdp_traffic(params, shard_ranks) + ((state.stats.bytes_sent - sent_before) / args.steps if hooked else 0)
+        elif hooked:
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
         elif method == "fp16_allreduce":
             per_step = ring_bytes(params * 2, world_size)
@@ -105,11 +139,17 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
         bits = 8 * per_step / optimal if world_size > 1 else float("nan")
         row = {"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,
-               "bits_per_entry": bits}  # fmt: skip
-        if method in NODE_AWARE:
-            layout = state.layout
-            row["nodes"] = f"{layout.nodes}x{layout.ranks_per_node}"
+               "bits_per_entry": bits, "optimizer_state_bytes": _state_bytes(opt)}  # fmt: skip
+        if method in NODE_AWARE or (method in FSDP and hooked):
+            nodes, per_node = opt.sharded_vote.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
+            row["nodes"] = f"{nodes}x{per_node}"
             row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
+            # A node's ranks carry different shares (SignMuon's owners): the node's sum, every call counted.
+            node_group = opt.sharded_vote.voter.layout.node_group if method in FSDP else state.layout.node_group
+            total = torch.tensor([float(state.stats.bytes_sent_between_nodes)], dtype=torch.float64, device=device)
+            if node_group is not None and per_node > 1:
+                dist.all_reduce(total, group=node_group)
+            row["between_nodes_bytes_per_node_all_calls"] = total.item()
         rows.append(row)
     return rows
 
@@ -120,15 +160,15 @@ def report(rows: list[dict], world_size: int) -> None:
     nodes = next((r["nodes"] for r in rows if "nodes" in r), None)
     print(f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}"
           + (f" nodes={nodes} (node-aware rows: MB/rank/step counts inside + between nodes)" if nodes else ""))
-    print(f"{'method':>14} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11}")
+    print(f"{'method':>19} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11} {'opt MB/rank':>12}")
     for r in rows:
         if "error" in r:
-            print(f"{r['method']:>14}  failed: {r['error']}")
+            print(f"{r['method']:>19}  failed: {r['error']}")
             continue
         ratio = r["step_s"] / base if base else float("nan")
         between = f"  between nodes {r['between_nodes_bytes_per_rank'] / 1e6:.2f} MB" if "nodes" in r else ""
-        print(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
-              f"{r['bits_per_entry']:>11.2f}{between}")
+        print(f"{r['method']:>19} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
+              f"{r['bits_per_entry']:>11.2f} {r['optimizer_state_bytes'] / 1e6:>12.2f}{between}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -140,13 +180,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
+                        help="L for the *_node and fsdp_* methods (default: torchrun's LOCAL_WORLD_SIZE)")
     args = parse_methods(parser, argv)
     if under_torchrun():
         rows = run_torchrun(_worker, args, args.methods)
         if os.environ["RANK"] == "0":
             report(rows, int(os.environ["WORLD_SIZE"]))
+            _write_json(rows, args.json)
         return rows
     rows = []
     for method in args.methods:  # one process group per method: a crash costs only its own row
@@ -157,7 +199,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # pair out of order across ranks ("collective mismatch"); NCCL is unaffected.
             rows.append({"method": method, "error": str(error).strip().splitlines()[-1][:160]})
     report(rows, args.world_size)
+    _write_json(rows, args.json)
     return rows
+
+
+def _write_json(rows: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,17 @@ from signmuon.optim import (
     DPPFAverager,
     MuonWithAdamW,
     SignMuon,
+    SignSGDMV,
     SignumMV,
     local_sgd,
     muon_param_groups,
+    node_mesh,
+    register_fsdp_vote,
 )
 
-__all__ = ["LOCAL_SGD_PULL_PUSH", "METHODS", "Method", "Setup", "TrainConfig"]
+__all__ = ["FSDP_METHODS", "LOCAL_SGD_PULL_PUSH", "METHODS", "STRATEGIES", "Method", "Setup", "TrainConfig", "shard_blocks"]
+
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,6 +69,9 @@ class TrainConfig:
     pull_push: tuple[float, float] | None = None
     """(pull, push) for the DPPF methods instead of their own (the pull/push sweep's knob);
     local SGD (pull 1, push 0) keeps its own."""
+    strategy: str = "ddp"
+    """``ddp`` (replicas) or ``fsdp``: FSDP2's ``fully_shard`` per block; ``adamw`` shards over
+    every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,7 +79,7 @@ class Setup:
     """A method's training objects on one rank."""
 
     model: nn.Module
-    """What the training loop calls (DDP-wrapped)."""
+    """What the training loop calls (DDP-wrapped, or the FSDP2-sharded network)."""
     optimizer: torch.optim.Optimizer
     """What the training loop steps."""
     stats: CommStats
@@ -205,6 +213,55 @@ def _ddp_sign_muon(node_aware: bool = False, optimizer: type[SignMuon] = SignMuo
     return build
 
 
+def shard_blocks(net: nn.Module, mesh) -> nn.Module:
+    """``fully_shard`` over ``mesh`` per block (each entry of the network's ``ModuleList``s, or
+    each layer with parameters of a top-level ``nn.Sequential``), then the root, as torchtitan does."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = [block for modules in net.modules() if isinstance(modules, nn.ModuleList) for block in modules]
+    if not blocks and isinstance(net, nn.Sequential):
+        blocks = [layer for layer in net if any(True for _ in layer.parameters())]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
+def fsdp_traffic(numel: int, ranks: int) -> int:
+    """Bytes one rank sends per step in FSDP2's own collectives on ``ranks`` ranks, fp32: the
+    reduce-scatter of the gradients and two all-gathers of the parameters (forward, and backward
+    after resharding)."""
+    return 3 * (ranks - 1) * numel * 4 // ranks
+
+
+def _fsdp(make_opt=None, optimizer: type | None = None, **options) -> Method:
+    """FSDP2: ``make_opt(params, lr_scale)`` on a model sharded over every rank (the
+    full-precision baseline), or ``optimizer`` sharded over each node with the vote between
+    nodes (``register_fsdp_vote``). FSDP2's own traffic is counted by :func:`fsdp_traffic`."""
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = next(net.parameters()).device
+        numel = sum(p.numel() for p in net.parameters())
+        if optimizer is None:
+            world_size = dist.get_world_size()
+            shard_blocks(net, init_device_mesh(device.type, (world_size,)))
+            opt, stats, ranks, inside = make_opt(net.parameters(), config.lr_scale), CommStats(), world_size, False
+        else:
+            mesh = node_mesh(config.ranks_per_node, device_type=device.type)
+            shard_blocks(net, mesh["local"])
+            scaled = {**options, "lr": options["lr"] * config.lr_scale}
+            params = muon_param_groups(net) if optimizer is SignMuon else net.parameters()
+            opt = optimizer(params, vote=VoteConfig(fault=_fault(config)), **scaled)
+            register_fsdp_vote(net, opt, mesh)
+            stats, ranks, inside = opt.stats, mesh.shape[1], True
+        per_step = fsdp_traffic(numel, ranks)
+        opt.register_step_post_hook(lambda *_: stats.add(per_step, per_step, inside_node=inside))
+        return Setup(model=net, optimizer=opt, stats=stats, votes=optimizer is not None)
+
+    return build
+
+
 LOCAL_SGD_PULL_PUSH = (1.0, 0.0)  # (pull, push) of plain periodic averaging
 
 
@@ -246,4 +303,12 @@ METHODS: dict[str, Method] = {
     "dppf_32": _local_sgd(32, pull=0.5, push=0.05),
     "dppf_8_wide": _local_sgd(8, pull=0.5, push=0.2),
     "dppf_32_wide": _local_sgd(32, pull=0.5, push=0.2),
+}
+
+# --strategy fsdp: the methods that have a sharded form.
+FSDP_METHODS: dict[str, Method] = {
+    "adamw": _fsdp(lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
+    "signsgd_mv": _fsdp(optimizer=SignSGDMV, lr=1e-3),
+    "signum_mv": _fsdp(optimizer=SignumMV, lr=1e-3, momentum=0.9),
+    "signmuon": _fsdp(optimizer=SignMuon, lr=2e-3),
 }

@@ -200,6 +200,8 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
         json_path = os.path.join(tmp, "rows.json")
         if inner[0] in ("bandwidth", "train") and "--json" not in inner:
             inner = inner + ["--json", json_path, "--no-progress"]
+        elif inner[0] == "ddp-step" and "--json" not in inner:
+            inner = inner + ["--json", json_path]
         with EmulatedNetwork(args.world_size, rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
             before = net.tx_bytes()
             results = net.run(inner, args.timeout)
@@ -218,6 +220,12 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
                 loaded = json.load(f)
             if inner[0] == "train":
                 report["train"] = loaded
+            elif inner[0] == "ddp-step":
+                # The vote's bytes between nodes, every call of the run, as the optimizer or hook counted them.
+                counted = [r["between_nodes_bytes_per_node_all_calls"] for r in loaded if "between_nodes_bytes_per_node_all_calls" in r]
+                if counted and L > 1:
+                    report[f"algorithmic_bytes_per_{unit}"] = sum(counted)
+                report["rows"] = loaded
             else:
                 warmup_iters = _calls_per_measurement(inner)
                 # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for signsgd_mv_node).

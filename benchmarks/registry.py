@@ -52,6 +52,10 @@ METHODS: dict[str, MethodInfo] = {
     "signmuon_polar": MethodInfo("SignMuon with the polar step after the vote", (_TRAIN,)),
     "signmuon_fan_in": MethodInfo("SignMuon with lr_scaling='fan_in'", (_TRAIN,)),
     "signmuon_muon_lr": MethodInfo("SignMuon with lr_scaling='muon'", (_TRAIN,)),
+    # sharded models (FSDP2); train takes --strategy fsdp instead
+    "fsdp_reduce_scatter": MethodInfo("FSDP2 over every rank, fp32 reduce-scatter, SGD with momentum", (_DDP,)),
+    "fsdp_signum_mv": MethodInfo("FSDP2 inside each node, Signum-MV voted between nodes", (_DDP,)),
+    "fsdp_signmuon": MethodInfo("FSDP2 inside each node, SignMuon voted between nodes", (_DDP,)),
     # optimizers on the fp32 all-reduce, and their compressed variants
     "adamw": MethodInfo("DDP + AdamW", (_TRAIN,)),
     "sgd": MethodInfo("DDP + SGD with momentum", (_TRAIN,)),

@@ -22,13 +22,16 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import check_device, command_parser, parse_methods, network_label, positive_int
 from signmuon.benchmarks.curves import seed_summary, time_to_target
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_group, under_torchrun
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
 from signmuon.benchmarks.tuned import SWEEPS, tuned_lr_scale
-from signmuon.benchmarks.methods import METHODS, Setup, TrainConfig
+from signmuon.benchmarks.methods import FSDP_METHODS, METHODS, STRATEGIES, Setup, TrainConfig
 from signmuon.optim import inverse_mean_valley
 
 
@@ -40,6 +43,16 @@ def _progress(total: int, desc: str):
     except ImportError:  # the bench extra brings it; without it, no bar
         return None
     return tqdm(total=total, desc=desc, leave=False)
+
+
+def _network(model: nn.Module) -> nn.Module:
+    """The trained network: DDP's module, or the FSDP2-sharded network itself."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) value gathered whole (a collective), else the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -> dict:
@@ -54,7 +67,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     torch.manual_seed(config.seed)
     tuned = tuned_lr_scale(task.name if config.size == "small" else "", method) if config.tuned_lr else None
     lr_scale = config.lr_scale * (tuned if tuned is not None else 1.0)
-    setup = METHODS[method](task.make_model().to(device), dataclasses.replace(config, lr_scale=lr_scale))
+    methods = FSDP_METHODS if config.strategy == "fsdp" else METHODS
+    setup = methods[method](task.make_model().to(device), dataclasses.replace(config, lr_scale=lr_scale))
     model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
@@ -93,7 +107,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                 dist.all_reduce(worker_acc)
                 entry["worker_acc"] = worker_acc.item() / world_size
                 consensus = task.make_model().to(device)
-                consensus.load_state_dict(setup.averager.consensus_state_dict(model.module))
+                consensus.load_state_dict(setup.averager.consensus_state_dict(_network(model)))
                 entry.update(evaluate(consensus, task))
             log.append(entry)
             eval_seconds += time.perf_counter() - eval_start
@@ -101,6 +115,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         progress.close()
     result = {
         "method": method,
+        "strategy": config.strategy,
         "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
         "seed": config.seed,
@@ -118,10 +133,10 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         result["worker_acc"] = log[-1]["worker_acc"]
         result["rounds"] = setup.averager.rounds
         result["mean_distance"] = setup.averager.mean_distance
-        result["final_state"] = {k: v.cpu() for k, v in setup.averager.consensus_state_dict(model.module).items()}
+        result["final_state"] = {k: v.cpu() for k, v in setup.averager.consensus_state_dict(_network(model)).items()}
     else:
         result["rounds"] = config.steps  # gradient communication every step
-        result["final_state"] = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+        result["final_state"] = {k: _whole(v).detach().cpu().clone() for k, v in _network(model).state_dict().items()}
     return result
 
 
@@ -329,7 +344,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="report time and steps to this test loss (default: adamw's final loss, if run)")
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
     parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="L for the *_node methods (default: torchrun's LOCAL_WORLD_SIZE)")
+                        help="L for the *_node methods and --strategy fsdp (default: torchrun's LOCAL_WORLD_SIZE)")
+    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
+                        help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank, "
+                        f"{', '.join(m for m in FSDP_METHODS if m != 'adamw')} over each node, voting between nodes)")
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
     parser.add_argument("--lr-scale", type=float, default=1.0,
@@ -354,13 +372,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--target-loss {args.target_loss} must be a finite loss")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed once")
+    if args.strategy == "fsdp" and set(args.methods) - set(FSDP_METHODS):
+        parser.error(f"--strategy fsdp trains {sorted(FSDP_METHODS)}; not {sorted(set(args.methods) - set(FSDP_METHODS))}")
+    if args.strategy == "fsdp" and args.ranks_per_node is None and not under_torchrun():
+        parser.error("--strategy fsdp shards over each node: pass --ranks-per-node L")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must be >= 1 and divide --world-size {args.world_size}")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, byzantine=args.byzantine, size=args.size,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
-        lr_scale=args.lr_scale, tuned_lr=args.tuned_lr,
+        lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy,
     )  # fmt: skip
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():
