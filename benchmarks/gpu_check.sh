@@ -6,7 +6,8 @@
 # (SignMuon's default) and bfloat16, per size and momentum rank, and single-GPU charlm
 # throughput (step time) of SignMuon against AdamW, small and medium (the 14M GPT: how long a
 # step's compute takes on a GPU, against the 0.69 s its fp32 all-reduce needs at 1 Gbit/s on 4
-# ranks, the ratio the CPU time-to-target runs cannot show).
+# ranks, the ratio the CPU time-to-target runs cannot show); and the FSDP2 vote on CUDA
+# (register_fsdp_vote, one rank, bf16 mixed precision, Triton kernels).
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +69,35 @@ PY
     --eval-every 300 --no-progress --methods adamw signmuon
   timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --size medium --device cuda --world-size 1 \
     --steps 100 --eval-every 100 --no-progress --methods adamw signmuon
+  echo '```'
+  echo
+  echo "## FSDP2 on CUDA: SignMuon through register_fsdp_vote, bf16 compute, one rank"
+  echo '```'
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 timeout 120 "$python" - <<'PY'
+import time, torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from signmuon.optim import SignMuon, node_mesh, register_fsdp_vote
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+mesh = node_mesh()
+net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for layer in net:
+    fully_shard(layer, mesh=mesh["local"], mp_policy=policy)
+fully_shard(net, mesh=mesh["local"], mp_policy=policy)
+opt = SignMuon(net.parameters(), lr=1e-3)
+register_fsdp_vote(net, opt, mesh)
+x = torch.randn(64, 2048, device="cuda")
+times = []
+for step in range(12):
+    torch.cuda.synchronize(); start = time.perf_counter()
+    opt.zero_grad(); net(x).square().mean().backward(); opt.step()
+    torch.cuda.synchronize(); times.append(time.perf_counter() - start)
+dtypes = {v.dtype for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
+assert dtypes == {torch.float32}, dtypes
+print(f"fsdp signmuon on cuda: median step {1e3 * sorted(times[2:])[5]:.1f} ms, state {dtypes}")
+dist.destroy_process_group()
+PY
   echo '```'
 } | tee "$report"
 echo "report: $report"

@@ -125,7 +125,8 @@ class SignTrainerMixin:
         if self.is_deepspeed_enabled:
             from signmuon.integrations.deepspeed import check_supported
 
-            check_supported(self.accelerator.state.deepspeed_plugin.deepspeed_config, type(optimizer).__name__)
+            config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            check_supported(config, type(optimizer).__name__, bf16=False)  # the Trainer built the engine
             if not optimizer.has_comm_hook:
                 wrapped.enable_backward_allreduce = False  # the vote is the gradient reduction
                 optimizer.process_group = wrapped.data_parallel_group

@@ -194,7 +194,8 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
     if missing or len(in_optimizer) != len(named):
         raise ValueError(
             f"the optimizer and the model's trainable parameters differ (not in the optimizer: {missing[:5]}); "
-            "every parameter needs its node's vote, so give the optimizer all of model.parameters()"
+            "every parameter needs its node's vote, so give the optimizer all of model.parameters(), and create "
+            "it after fully_shard (which replaces the parameters with DTensors)"
         )
     nodes, per_node = mesh.shape
     ranks_per_node = optimizer.vote_config.ranks_per_node

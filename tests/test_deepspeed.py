@@ -196,6 +196,15 @@ def test_refused_configs(config, match):
         initialize(model=_model(), config=config)
 
 
+def test_bf16_in_an_engine_built_elsewhere_is_refused():
+    # The HF Trainer builds its engine itself: DeepSpeed's bf16 optimizer would flatten the parameters.
+    from signmuon.integrations.deepspeed import check_supported
+
+    check_supported(_config(bf16={"enabled": True}), "SignMuon")  # ours: float32 master weights
+    with pytest.raises(ValueError, match="built elsewhere.*signmuon.integrations.deepspeed.initialize"):
+        check_supported(_config(bf16={"enabled": True}), "SignMuon", bf16=False)
+
+
 # --- the compressed backend --------------------------------------------------------------
 
 

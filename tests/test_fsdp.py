@@ -68,6 +68,15 @@ def _reference_worker(rank, world_size, per_node):
     net = tiny_net()
     opt = _optimizer("signmuon", net.parameters(), VoteConfig(hierarchical=True, ranks_per_node=per_node), vote_in_step=True)
     out["in_step_fast"] = _train(net, opt, rank)
+    # Non-matrix parameters on AdamW over the full-precision mean, as in DDP.
+    net = _sharded_net(mesh)
+    opt = _optimizer("signmuon", net.parameters(), VoteConfig(), non_matrix="adamw")
+    register_fsdp_vote(net, opt, mesh)
+    out["fsdp_adamw"] = _train(net, opt, rank)
+    net = tiny_net()
+    config = VoteConfig(hierarchical=True, ranks_per_node=per_node)
+    opt = _optimizer("signmuon", net.parameters(), config, vote_in_step=True, non_matrix="adamw")
+    out["in_step_adamw"] = _train(net, opt, rank)
     net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.0005)
     opt = _optimizer("signmuon", net.parameters(), VoteConfig(tie="exact", hierarchical=True, ranks_per_node=per_node))
@@ -97,7 +106,7 @@ def test_fsdp_vote_equals_the_node_level_reference_and_the_node_aware_ddp_path(w
             for a, b in zip(trajectory[step + 1], expected):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{kind} step {step}")
         assert all(not torch.equal(a, b) for a, b in zip(trajectory[-1], trajectory[0])), kind
-    for fsdp, unsharded in (("fsdp_fast", "in_step_fast"), ("fsdp_exact", "ddp_exact")):
+    for fsdp, unsharded in (("fsdp_fast", "in_step_fast"), ("fsdp_exact", "ddp_exact"), ("fsdp_adamw", "in_step_adamw")):
         for step, (a_params, b_params) in enumerate(zip(out[fsdp], out[unsharded])):
             for a, b in zip(a_params, b_params):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{fsdp} vs {unsharded}, step {step}")
@@ -161,6 +170,39 @@ def test_bf16_mixed_precision_and_gradient_accumulation(reduce_dtype, accumulate
     for a, b in zip(before, after):
         # Every entry moves by lr per step (a sign step), so each differs from the start.
         assert (a - b).abs().max() <= 2 * LR + 1e-6 and not torch.equal(a, b)
+
+
+def _nonfinite_worker(rank, world_size, action):
+    from signmuon.comm_hooks import NonFiniteError
+
+    mesh = node_mesh(2)
+    net = _sharded_net(mesh)
+    opt = SignMuon(net.parameters(), lr=LR, vote=VoteConfig(nonfinite=action))
+    register_fsdp_vote(net, opt, mesh)
+    _train(net, opt, rank, steps=1)
+    before = _whole(net)
+    x, y = batch(rank, 1)
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(x), y).backward()
+    if rank == 3:  # one rank of node 1, in one shard
+        next(iter(net.parameters())).grad.to_local()[0, 0] = float("nan")
+    try:
+        opt.step()
+        error = None
+    except NonFiniteError as caught:
+        error = str(caught)
+    return before, _whole(net), opt.stats.skipped, error
+
+
+@pytest.mark.parametrize("action", ["skip", "raise"])
+def test_a_nonfinite_gradient_on_one_rank_skips_or_raises_on_every_rank(action):
+    results = run_distributed(_nonfinite_worker, 4, action)
+    for before, after, skipped, error in results:
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "no parameter moves"
+        if action == "skip":
+            assert skipped == 1 and error is None
+        else:
+            assert error is not None and "NaN or Inf" in error
 
 
 def _refusal_worker(rank, world_size):

@@ -55,9 +55,10 @@ def _check_monitor_names(config: dict[str, Any]) -> None:
             )
 
 
-def check_supported(config: dict[str, Any], name: str) -> None:
+def check_supported(config: dict[str, Any], name: str, *, bf16: bool = True) -> None:
     """Raise ValueError if DeepSpeed ``config`` cannot run optimizer ``name`` (ZeRO >= 1, fp16,
-    bf16 with settings other than ``enabled``)."""
+    bf16 with settings other than ``enabled``, or any bf16 where the caller does not build the
+    engine itself: ``bf16=False``)."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage:
         raise ValueError(
@@ -72,10 +73,17 @@ def check_supported(config: dict[str, Any], name: str) -> None:
             "does not need) and flattens the parameters; use \"bf16\": {\"enabled\": true} or fp32 with "
             "torch.autocast for half-precision compute in the forward pass"
         )
-    bf16 = config.get("bf16", {})
-    if bf16.get("enabled", False) and set(bf16) - {"enabled"}:
+    section = config.get("bf16", {})
+    if section.get("enabled", False) and not bf16:
         raise ValueError(
-            f"optimizer {name} with bf16 settings {sorted(set(bf16) - {'enabled'})}: with our optimizers bf16 means bf16 "
+            f"optimizer {name} with bf16 in a DeepSpeed engine built elsewhere: DeepSpeed's bf16 optimizer flattens "
+            "the parameters, losing the matrix shapes Newton–Schulz needs. Build the engine with "
+            "signmuon.integrations.deepspeed.initialize (bf16 there keeps float32 master weights in our optimizer), "
+            "or train in fp32 with torch.autocast(dtype=torch.bfloat16)"
+        )
+    if section.get("enabled", False) and set(section) - {"enabled"}:
+        raise ValueError(
+            f"optimizer {name} with bf16 settings {sorted(set(section) - {'enabled'})}: with our optimizers bf16 means bf16 "
             "parameters and gradients with float32 master weights and momentum in the optimizer; give only "
             "\"bf16\": {\"enabled\": true}"
         )
