@@ -1,6 +1,9 @@
 """DDP step time of a ~10M-parameter MLP with different gradient reductions.
 
-Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD, and
+Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD (on gloo
+one bucket at a time: torch's hook issues collectives from future callbacks, which gloo would
+pair out of order across ranks; ``methods.serial_powersgd_hook``; its bytes by the formula of P
+and Q per bucket), and
 our hooks (signSGD-MV, Signum-MV, SignMuon; ``*_node``: the node-aware vote, full precision
 inside a node and one bit between nodes), all in one run, as ratios to the fp32 all-reduce
 step; and sharded models (``fsdp_*``): FSDP2 over every rank with SGD (the fp32
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,9 +34,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.benchmarks.registry import names_for
-from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
+from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.comm_hooks.dist import ring_bytes
-from signmuon.benchmarks.methods import fsdp_traffic, shard_blocks
+from signmuon.comm_hooks.vote import ZERO_RULES
+from signmuon.benchmarks.methods import counted_powersgd_hook, fsdp_traffic, shard_blocks
 from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
 
 METHODS = names_for("ddp-step")
@@ -54,8 +59,9 @@ def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> ob
         model.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif method == "powersgd_r1":
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return state
+        stats = CommStats()  # ring bytes of P and Q, counted by the hook
+        model.register_comm_hook(state, counted_powersgd_hook(1, stats))
+        return SimpleNamespace(stats=stats)
     elif method in ("signsgd_mv", "signum_mv"):
         state = SignVoteState(process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0, vote=vote)
         model.register_comm_hook(state, sign_vote_hook)
@@ -79,7 +85,7 @@ def _fsdp(method: str, args: argparse.Namespace, device: torch.device):
         return net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9), None, world_size
     mesh = node_mesh(args.ranks_per_node, device_type=device.type)
     shard_blocks(net, mesh["local"])
-    opt = optimizer(net.parameters(), lr=1e-3)
+    opt = optimizer(net.parameters(), lr=1e-3, vote=VoteConfig(zeros=args.vote_zeros))
     register_fsdp_vote(net, opt, mesh)
     return net, opt, opt, mesh.shape[1]
 
@@ -100,7 +106,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             model, opt, state, shard_ranks = _fsdp(method, args, device)
         else:
             model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-            vote = VoteConfig(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else VoteConfig()
+            node = dict(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else {}
+            vote = VoteConfig(zeros=args.vote_zeros, **node)
             if NODE_AWARE.get(method, method) == "signmuon":
                 opt = SignMuon(model.parameters(), lr=1e-3, vote=vote)
             else:
@@ -132,8 +139,6 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
         elif method == "fp16_allreduce":
             per_step = ring_bytes(params * 2, world_size)
-        elif method == "powersgd_r1":
-            per_step = float("nan")  # depends on the layer shapes; see torch's PowerSGD docs
         else:
             per_step = ring_bytes(params * 4, world_size)
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--vote-zeros", default="abstain", choices=ZERO_RULES,
+                        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for the *_node and fsdp_* methods (default: torchrun's LOCAL_WORLD_SIZE)")
     args = parse_methods(parser, argv)
@@ -195,8 +202,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         try:
             rows += run_distributed(_worker, args.world_size, args, [method], threads=args.threads)[0]
         except Exception as error:  # noqa: BLE001 - reported in the table
-            # torch's PowerSGD hook issues collectives from future callbacks, which gloo can
-            # pair out of order across ranks ("collective mismatch"); NCCL is unaffected.
             rows.append({"method": method, "error": str(error).strip().splitlines()[-1][:160]})
     report(rows, args.world_size)
     _write_json(rows, args.json)

@@ -25,7 +25,7 @@ from signmuon.optim import (
     register_fsdp_vote,
 )
 
-__all__ = ["FSDP_METHODS", "LOCAL_SGD_PULL_PUSH", "METHODS", "STRATEGIES", "Method", "Setup", "TrainConfig", "shard_blocks"]
+__all__ = ["counted_powersgd_hook", "serial_powersgd_hook", "FSDP_METHODS", "LOCAL_SGD_PULL_PUSH", "METHODS", "STRATEGIES", "Method", "Setup", "TrainConfig", "shard_blocks"]
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -69,6 +69,8 @@ class TrainConfig:
     pull_push: tuple[float, float] | None = None
     """(pull, push) for the DPPF methods instead of their own (the pull/push sweep's knob);
     local SGD (pull 1, push 0) keeps its own."""
+    vote_zeros: str = "abstain"
+    """The vote methods' zero rule (``VoteConfig.zeros``): ``abstain`` or ``coin``."""
     strategy: str = "ddp"
     """``ddp`` (replicas) or ``fsdp``: FSDP2's ``fully_shard`` per block; ``adamw`` shards over
     every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes."""
@@ -130,12 +132,45 @@ def _powersgd_bytes(bucket: dist.GradBucket, rank: int, world_size: int, min_com
     return 2 * (world_size - 1) * elements * 4 // world_size
 
 
-def _ddp_powersgd(rank: int, make_opt) -> Method:
-    """torch's PowerSGD hook (error feedback, 2 warm-up iterations) with AdamW.
+def serial_powersgd_hook(state, bucket):  # unannotated: DDP checks annotations as objects
+    """torch's ``powerSGD_hook``, finished before the next bucket starts.
 
-    On gloo torch's hook issues collectives from future callbacks, which can abort a run
-    with a "collective mismatch"; NCCL is unaffected.
+    Its hook issues the all-reduces of P and Q from future callbacks. gloo pairs collectives by
+    the order each rank issues them, so with two buckets in flight one rank's Q all-reduce can
+    pair with another rank's next bucket (gloo aborts: "collective mismatch"). Waiting for each
+    bucket's future in the hook keeps one order on every rank, at the cost of overlapping
+    buckets; NCCL, which orders collectives per stream, needs no such wait.
     """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    result = powerSGD_hook.powerSGD_hook(state, bucket).wait()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(result)
+    return done
+
+
+def counted_powersgd_hook(rank: int, stats: CommStats):
+    """torch's PowerSGD hook (on gloo :func:`serial_powersgd_hook`) adding each bucket's ring
+    bytes to ``stats`` (the uncompressed all-reduce until ``start_powerSGD_iter``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    world_size = dist.get_world_size()
+
+    def hook(state, bucket):  # unannotated: DDP checks annotations as objects
+        compressed = state.iter >= state.start_powerSGD_iter
+        nbytes = _powersgd_bytes(bucket, rank, world_size) if compressed else (
+            2 * (world_size - 1) * bucket.buffer().numel() * 4 // world_size)  # fmt: skip
+        stats.add(nbytes, nbytes)
+        if dist.get_backend() == "gloo":
+            return serial_powersgd_hook(state, bucket)
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+
+    return hook
+
+
+def _ddp_powersgd(rank: int, make_opt) -> Method:
+    """torch's PowerSGD hook (error feedback, 2 warm-up iterations) with AdamW, one bucket at a
+    time on gloo (:func:`serial_powersgd_hook`)."""
 
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -143,16 +178,7 @@ def _ddp_powersgd(rank: int, make_opt) -> Method:
         model = _ddp(net)
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
         stats = CommStats()
-        world_size = dist.get_world_size()
-
-        def counting_hook(state, bucket):  # unannotated: DDP checks annotations as objects
-            compressed = state.iter >= state.start_powerSGD_iter
-            nbytes = _powersgd_bytes(bucket, rank, world_size) if compressed else (
-                2 * (world_size - 1) * bucket.buffer().numel() * 4 // world_size)  # fmt: skip
-            stats.add(nbytes, nbytes)
-            return powerSGD_hook.powerSGD_hook(state, bucket)
-
-        model.register_comm_hook(state, counting_hook)
+        model.register_comm_hook(state, counted_powersgd_hook(rank, stats))
         return Setup(model=model, optimizer=make_opt(model.parameters(), config.lr_scale), stats=stats)
 
     return build
@@ -180,10 +206,10 @@ def _ddp_half(dtype: torch.dtype, make_opt) -> Method:
     return build
 
 
-def _vote(config: TrainConfig, node_aware: bool) -> VoteConfig:
+def _vote(config: TrainConfig, node_aware: bool = False) -> VoteConfig:
     if node_aware:
-        return VoteConfig(fault=_fault(config), hierarchical=True, ranks_per_node=config.ranks_per_node)
-    return VoteConfig(fault=_fault(config))
+        return VoteConfig(fault=_fault(config), zeros=config.vote_zeros, hierarchical=True, ranks_per_node=config.ranks_per_node)
+    return VoteConfig(fault=_fault(config), zeros=config.vote_zeros)
 
 
 def _ddp_sign_vote(momentum: float, lr: float, node_aware: bool = False) -> Method:
@@ -252,7 +278,7 @@ def _fsdp(make_opt=None, optimizer: type | None = None, **options) -> Method:
             shard_blocks(net, mesh["local"])
             scaled = {**options, "lr": options["lr"] * config.lr_scale}
             params = muon_param_groups(net) if optimizer is SignMuon else net.parameters()
-            opt = optimizer(params, vote=VoteConfig(fault=_fault(config)), **scaled)
+            opt = optimizer(params, vote=_vote(config), **scaled)
             register_fsdp_vote(net, opt, mesh)
             stats, ranks, inside = opt.stats, mesh.shape[1], True
         per_step = fsdp_traffic(numel, ranks)
