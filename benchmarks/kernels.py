@@ -18,7 +18,7 @@ import torch
 
 from signmuon.benchmarks.cli import check_device, command_parser, positive_int, size
 from signmuon.comm_hooks import SignSegments
-from signmuon.comm_hooks.kernels import kernels_for
+from signmuon.comm_hooks.kernels import kernels_for, warm_up
 from signmuon.comm_hooks.kernels.layout import words_for
 
 
@@ -42,6 +42,7 @@ def _median_time(fn, repeats: int, device: torch.device) -> float:
 def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5, kernels: str = "auto") -> dict[str, float]:
     """Seconds for memcpy and each stage on ``numel`` fp32 entries."""
     family = kernels_for(device, kernels)
+    warm_up(device, (torch.float32,), kernels)  # the first compile is not a kernel's time
     x = torch.randn(numel, device=device)
     copy_out = torch.empty_like(x)
     unpack_out = torch.empty_like(x)

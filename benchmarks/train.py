@@ -32,6 +32,8 @@ from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_g
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
 from signmuon.benchmarks.tuned import SWEEPS, tuned_lr_scale
 from signmuon.benchmarks.methods import FSDP_METHODS, METHODS, STRATEGIES, Setup, TrainConfig
+from signmuon.comm_hooks.kernels import warm_up
+from signmuon.comm_hooks.vote import ZERO_RULES
 from signmuon.optim import inverse_mean_valley
 
 
@@ -74,6 +76,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
     log, step_times = [], []
     progress = _progress(config.steps, f"{task.name}/{method}") if rank == 0 and config.progress else None
+    if setup.votes:  # the kernels' first compile is not training time
+        warm_up(device, sorted({p.dtype for p in model.parameters()}, key=str))
     wall_start = time.perf_counter()
     eval_seconds = 0.0  # left out of time_s: the curves show training time, not evaluation time
     warmup = min(5, config.steps // 5)  # kernels compile and buckets form: left out of the time split
@@ -116,6 +120,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     result = {
         "method": method,
         "strategy": config.strategy,
+        "vote_zeros": config.vote_zeros,
         "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
         "seed": config.seed,
@@ -123,6 +128,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "lr_tuned": tuned is not None,
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
+        "bytes_between_nodes_per_rank": setup.stats.bytes_sent_between_nodes,
         "step_ms": 1e3 * statistics.median(step_times),
         "time_split_ms": time_split(step_times[warmup:], _seconds(setup), at_warmup),
         "log": log,
@@ -345,6 +351,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for the *_node methods and --strategy fsdp (default: torchrun's LOCAL_WORLD_SIZE)")
+    parser.add_argument("--vote-zeros", default="abstain", choices=ZERO_RULES,
+                        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)")
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
                         help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank, "
                         f"{', '.join(m for m in FSDP_METHODS if m != 'adamw')} over each node, voting between nodes)")
@@ -382,7 +390,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         steps=args.steps, batch_size=args.batch_size, byzantine=args.byzantine, size=args.size,
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
-        lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy,
+        lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy, vote_zeros=args.vote_zeros,
     )  # fmt: skip
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():

@@ -166,3 +166,23 @@ def test_tie_words_on_random_segments_match_reference():
         ref = reference.tie_words(segments, key, first, words)
         for family in FAMILIES.values():
             assert torch.equal(family.tie_words(segments, key, first, words, None), ref), case
+
+
+def test_warm_up_compiles_each_kernel_for_each_dtype_before_any_timed_call():
+    # In a fresh process (nothing compiled yet): after warm_up every numba kernel the vote calls
+    # has a compiled signature, pack one per dtype (its input type differs by width).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from signmuon.comm_hooks.kernels import cpu, warm_up\n"
+        "kernels = (cpu._pack_kernel, cpu._vote_kernel, cpu._unpack_kernel, cpu._tie_kernel)\n"
+        "print([len(k.signatures) for k in kernels])\n"
+        "warm_up('cpu', (torch.float32, torch.bfloat16))\n"
+        "print([len(k.signatures) for k in kernels])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[0, 0, 0, 0]"
+    packs, votes, unpacks, ties = eval(out[1])
+    assert packs == 2 and votes >= 1 and unpacks == 2 and ties == 1

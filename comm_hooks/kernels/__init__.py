@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["kernels_for"]
+__all__ = ["kernels_for", "warm_up"]
 
 _MODULES = {"numba": "cpu", "triton": "cuda", "torch": "torch_ops"}
 _EXTRA = {"numba": "numba (a dependency of signmuon: pip install signmuon)", "triton": "triton (pip install 'signmuon[triton]')"}
@@ -54,3 +54,20 @@ def kernels_for(device: torch.device, choice: str = "auto") -> ModuleType:
         raise ImportError(
             f"the {choice} kernels need {_EXTRA[choice]}, or choose VoteConfig(kernels='torch') for the slower fallback"
         ) from error
+
+
+def warm_up(device: torch.device | str = "cpu", dtypes=(torch.float32,), choice: str = "auto") -> None:
+    """Run every kernel of the family once on a tiny input of each of ``dtypes``, so the first
+    compile (numba's, or loading its on-disk cache; Triton's) happens now, not in a timed region."""
+    from .layout import SignSegments
+
+    kernels = kernels_for(torch.device(device), choice)
+    for dtype in dtypes:
+        x = torch.tensor([1.0, -1.0, 0.0], dtype=dtype, device=device)
+        positive, nonzero, _, _ = kernels.pack(x, 1)
+        planes, masks = positive.repeat(2, 1), nonzero.repeat(2, 1)
+        tie = kernels.tie_words(SignSegments((0, 3), (0,), (1,)), 0, 0, 1, positive.device)
+        dense = torch.tensor([False, True], device=positive.device)
+        voted_positive, voted_nonzero = kernels.vote(planes, masks, dense, tie)
+        kernels.unpack(voted_positive, voted_nonzero, torch.empty_like(x))
+        kernels.unpack(voted_positive, None, torch.empty_like(x))
