@@ -158,6 +158,60 @@ def test_few_zeros_cost_o_k_bytes_and_many_cost_one_plane(world_size):
         assert all(o == 0 for o in others), "ranks without zeros send the dense formula"
 
 
+def _coin_worker(rank: int, world_size: int, n: int) -> dict:
+    from signmuon.comm_hooks.kernels.layout import SignSegments
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(n, generator=gen)
+    x[torch.rand(n, generator=gen) < 0.4] = 0.0  # dead units: 40% exact zeros on every rank
+    x[: n // 4] = 0.0  # entries zero on every rank
+    x[3 * n // 4 :] = 0.0  # the second segment: zero throughout on every rank
+    segments = SignSegments((0, 3 * n // 4, n), (11, 12))
+    out = {"x": x}
+    for rule in ("abstain", "coin"):
+        for seed in (0, 1):
+            stats = CommStats()
+            voted = majority_vote(x, config=VoteConfig(zeros=rule, seed=seed), step=4, segments=segments, stats=stats)
+            out[(rule, seed)] = (voted, stats.bytes_sent)
+    for rule in ("abstain", "coin"):  # without the blank segment: what the zeros cost
+        stats = CommStats()
+        majority_vote(x[: 3 * n // 4].contiguous(), config=VoteConfig(zeros=rule), stats=stats)
+        out[rule] = stats.bytes_sent
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_zero_rule_coin_sends_one_bit_and_votes_a_keyed_coin_for_each_zero(world_size):
+    from signmuon.comm_hooks.kernels import reference
+    from signmuon.comm_hooks.kernels.layout import GOLDEN, MASK64, mix64
+    from signmuon.comm_hooks.vote.encoding import ZERO_COIN_SALT, call_key
+
+    n = 4096
+    results = run_distributed(_coin_worker, world_size, n)
+    dense = vote_bytes_per_rank(3 * n // 4, world_size)
+    for r in results:
+        assert r["coin"] == dense, "coins: every entry one bit, nothing else"
+        assert r["abstain"] > 1.5 * dense, "abstention sends the zeros' positions too"
+    # The definition: rank r's zero at entry i of segment s votes tie_bit(key_r, key_s, i).
+    key = call_key(0, 4)
+    votes = []
+    for rank, r in enumerate(results):
+        rank_key = mix64(((key ^ ZERO_COIN_SALT) + (rank + 1) * GOLDEN) & MASK64)
+        coin = torch.tensor([2.0 * reference.tie_bit(rank_key, 11, i) - 1 for i in range(3 * n // 4)])
+        x = r["x"][: 3 * n // 4]
+        votes.append(torch.where(x == 0, coin, torch.sign(x)))
+    total = torch.stack(votes).sum(0)
+    voted = results[0][("coin", 0)][0]
+    decided = total != 0
+    assert torch.equal(voted[: 3 * n // 4][decided], torch.sign(total[decided]))
+    assert bool((voted[: 3 * n // 4] != 0).all()), "no abstention left in the first segment"
+    assert bool((voted[3 * n // 4 :] == 0).all()), "a parameter zero throughout stays put"
+    assert not torch.equal(voted, results[0][("coin", 1)][0]), "the seed keys the coins"
+    assert bool((results[0][("abstain", 0)][0][: n // 4] == 0).all()), "abstention: zero everywhere votes 0"
+    for r in results[1:]:
+        assert torch.equal(r[("coin", 0)][0], voted), "every rank gets the same vote"
+
+
 def _mismatch_worker(rank: int, world_size: int, sizes: list) -> str:
     from signmuon.comm_hooks import VoteMismatchError
 

@@ -31,9 +31,9 @@ def test_the_collective_refuses_the_node_aware_vote_and_says_where_it_works(entr
 def test_the_backend_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match="hooks or a sign-vote optimizer"):
         SignCompressedBackend(vote=HIERARCHICAL)
-    for config in (VoteConfig(algorithm="all_gather"), VoteConfig(fault=ByzantineFault(ranks=(0,)))):
+    for config in (VoteConfig(algorithm="all_gather"), VoteConfig(fault=ByzantineFault(ranks=(0,))), VoteConfig(zeros="coin")):
         backend = SignCompressedBackend(vote=config)
-        with pytest.raises(ValueError, match="two phases and has no fault injection"):
+        with pytest.raises(ValueError, match="two phases, has no fault injection and no zero rule"):
             backend.compressed_allreduce(torch.ones(16), torch.zeros(16), torch.zeros(16))
     with pytest.raises(TypeError, match="vote must be a VoteConfig"):
         SignCompressedBackend(vote={"tie": "fast"})

@@ -2,7 +2,7 @@
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
-from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, VoteConfig
+from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
 from .faults import ByzantineFault
 from .node_vote import NodeVoteWork, gather_in_node, matrix_cost, node_mean, owners, vote_owned, world_mean
 from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
@@ -18,6 +18,7 @@ __all__ = [
     "TIE_MODES",
     "VoteConfig",
     "VoteWork",
+    "ZERO_RULES",
     "gather_in_node",
     "majority_vote",
     "majority_vote_async",

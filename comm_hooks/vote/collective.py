@@ -94,7 +94,7 @@ class VoteWork(ExchangeWork):
         world_size, _ = group_size_rank(group)
         encoding = SignEncoding(
             kernels_for(flat.device, config.kernels), config.tie, call_key(config.seed, step), segments, config.fault,
-            first_entry or 0,
+            first_entry or 0, zeros=config.zeros,
         )
         super().__init__(
             encoding, flat, group, out=out, two_phase=default_two_phase(config.algorithm, world_size), stats=stats,

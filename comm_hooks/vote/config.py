@@ -8,9 +8,10 @@ from typing import Literal
 
 from .faults import ByzantineFault
 
-__all__ = ["VoteConfig", "TIE_MODES", "ALGORITHMS", "NONFINITE_ACTIONS", "KERNELS"]
+__all__ = ["VoteConfig", "TIE_MODES", "ZERO_RULES", "ALGORITHMS", "NONFINITE_ACTIONS", "KERNELS"]
 
 TIE_MODES = ("fast", "exact")
+ZERO_RULES = ("abstain", "coin")
 ALGORITHMS = ("auto", "two_phase", "all_gather")
 NONFINITE_ACTIONS = ("skip", "raise")
 KERNELS = ("auto", "numba", "triton", "torch")
@@ -34,6 +35,13 @@ class VoteConfig:
     breaks it with an unbiased coin drawn from a hash of (seed, step, parameter, position), the
     same on every rank and after a resume, which keeps the voted result at one bit per entry;
     ``"exact"`` votes 0, the literal ``sign(sum sign)``, which sends the voted zeros too."""
+    zeros: Literal["abstain", "coin"] = "abstain"
+    """A rank's exact zero (a dead ReLU unit's weights, a momentum row that never moved):
+    ``"abstain"`` leaves it out of the vote, and its position travels too (a list or a second
+    bit plane); ``"coin"`` votes an unbiased coin instead, drawn from (seed, step, rank,
+    parameter, position) like the tie coins, so every entry travels as one bit. A parameter
+    that is zero throughout on a rank still abstains there, so an unused parameter stays put.
+    With coins, weights no rank moves take random steps of ``lr``."""
     seed: int = 0
     """Base of the tie-break coins (non-negative)."""
     algorithm: Literal["auto", "two_phase", "all_gather"] = "auto"
@@ -63,6 +71,7 @@ class VoteConfig:
 
     def __post_init__(self) -> None:
         _choice("tie", self.tie, TIE_MODES, "is not a tie mode")
+        _choice("zeros", self.zeros, ZERO_RULES, "is not a zero rule")
         _choice("algorithm", self.algorithm, ALGORITHMS, "is unknown")
         _choice("nonfinite", self.nonfinite, NONFINITE_ACTIONS, "is not an action")
         _choice("kernels", self.kernels, KERNELS, "names no kernel family")
@@ -95,7 +104,7 @@ class VoteConfig:
     def settings(self) -> dict:
         """What must agree across ranks, as plain values (for the settings digest)."""
         fault = None if self.fault is None else (self.fault.ranks, self.fault.mode, self.fault.seed)
-        return {"tie": self.tie, "seed": self.seed, "algorithm": self.algorithm, "nonfinite": self.nonfinite,
+        return {"tie": self.tie, "zeros": self.zeros, "seed": self.seed, "algorithm": self.algorithm, "nonfinite": self.nonfinite,
                 "kernels": self.kernels, "hierarchical": self.hierarchical, "ranks_per_node": self.ranks_per_node,
                 "fault": fault}  # fmt: skip
 

@@ -35,6 +35,8 @@ from .wire import Plan, with_extra
 
 __all__ = ["EncodedRows", "SignEncoding", "zero_positions", "plane_from_positions", "call_key"]
 
+ZERO_COIN_SALT = 0x5A45524F434F494E  # "ZEROCOIN": the zero rule's coins differ from the tie coins
+
 
 def zero_positions(nonzero: torch.Tensor) -> torch.Tensor:
     """int64 positions (ascending) of the clear bits of ``nonzero`` int64 [S] words."""
@@ -105,9 +107,10 @@ class SignEncoding:
         fault: testing only: Byzantine ranks.
         first_entry: the tensor is entries ``first_entry ..`` of the one ``segments`` describe
             (a node-aware vote's slice), so its coins are those of the same entries voted whole.
+        zeros: ``"abstain"`` or ``"coin"`` (``VoteConfig.zeros``).
     """
 
-    __slots__ = ("kernels", "tie", "key", "segments", "fault", "first_entry")
+    __slots__ = ("kernels", "tie", "key", "segments", "fault", "first_entry", "zeros")
 
     def __init__(
         self,
@@ -117,9 +120,11 @@ class SignEncoding:
         segments: SignSegments | None = None,
         fault: ByzantineFault | None = None,
         first_entry: int = 0,
+        *,
+        zeros: str = "abstain",
     ) -> None:
         self.kernels, self.tie, self.key, self.segments, self.fault = kernels, tie, call_key, segments, fault
-        self.first_entry = first_entry
+        self.first_entry, self.zeros = first_entry, zeros
 
     def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
         words = words_for(numel)
@@ -130,6 +135,9 @@ class SignEncoding:
 
     def encode(self, flat: torch.Tensor, plan: Plan) -> EncodedRows:
         positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
+        if self.zeros == "coin" and bool(zeros) and not bool(nonfinite):
+            flat = self._coins_for_zeros(flat, plan.rank)
+            positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
         if self.fault is not None:
             positive = self.fault.corrupt(positive, nonzero, plan.rank, self.key & ((1 << 62) - 1))
         rows = positive.view(plan.parts, plan.words)
@@ -138,6 +146,26 @@ class SignEncoding:
         if isinstance(zeros, int) and zeros == 0:  # the dense case: no popcount pass
             return EncodedRows(rows, values, values, nonfinite, None)
         return EncodedRows(rows, _zero_codes(planes, plan.words), values, nonfinite, planes)
+
+    def _coins_for_zeros(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """``flat`` with each exact zero replaced by this rank's coin (±1), except in segments
+        that are zero throughout here (they still abstain)."""
+        n = flat.numel()
+        segments = self.segments or SignSegments.whole(self.first_entry + n)
+        zero = flat == 0
+        starts = torch.tensor(segments.starts, device=flat.device) - self.first_entry
+        lo, hi = starts[:-1].clamp(0, n), starts[1:].clamp(0, n)  # each segment's part of this tensor
+        before = torch.cat([zero.new_zeros(1, dtype=torch.int64), zero.cumsum(0)])
+        blank = (hi > lo) & (before[hi] - before[lo] == hi - lo)  # [segments] zero throughout here
+        keep = torch.zeros(n + 1, dtype=torch.int64, device=flat.device)
+        keep.index_add_(0, lo[blank], torch.ones_like(lo[blank]))
+        keep.index_add_(0, hi[blank], -torch.ones_like(hi[blank]))
+        coin_here = zero & (keep.cumsum(0)[:n] == 0)
+        key = mix64((self.key ^ ZERO_COIN_SALT) + (rank + 1) * GOLDEN & MASK64)  # per rank: independent coins
+        bits = self.kernels.tie_words(segments, key, self.first_entry, words_for(n), flat.device)
+        coins = torch.empty_like(flat)
+        self.kernels.unpack(bits, None, coins)
+        return torch.where(coin_here, coins, flat)
 
     def _planes(self, codes: list[int], extras: list, words: int, device) -> torch.Tensor | None:
         if not any(c & (ZERO_LIST | ZERO_PLANE) for c in codes):

@@ -30,8 +30,8 @@ class SignCompressedBackend:
         process_group: the data-parallel group (None = WORLD).
         vote: settings of :meth:`majority_vote`. :meth:`compressed_allreduce` honours its
             ``kernels`` and ``nonfinite`` (scaled signs have no ties, so ``tie`` and ``seed`` do
-            not apply) and refuses ``algorithm="all_gather"`` and ``fault``, which it cannot
-            honour; ``hierarchical`` is refused here (a node-aware vote needs the hooks'
+            not apply) and refuses ``algorithm="all_gather"``, ``fault`` and ``zeros="coin"``
+            (error feedback carries what a zero leaves out), which it cannot honour; ``hierarchical`` is refused here (a node-aware vote needs the hooks'
             node layout).
 
     Statistics: ``stats`` (a :class:`CommStats`) counts bytes sent and received.
@@ -77,10 +77,11 @@ class SignCompressedBackend:
             server_error: [N / world size], the feedback of this rank's chunk.
             local_rank: accepted for DeepSpeed's signature; devices follow the tensors.
         """
-        if self.vote_config.algorithm == "all_gather" or self.vote_config.fault is not None:
+        config = self.vote_config
+        if config.algorithm == "all_gather" or config.fault is not None or config.zeros != "abstain":
             raise ValueError(
-                "compressed_allreduce always runs two phases and has no fault injection: pass a VoteConfig with "
-                "algorithm='auto' or 'two_phase' and no fault (those settings apply to majority_vote)"
+                "compressed_allreduce always runs two phases, has no fault injection and no zero rule: pass a VoteConfig "
+                "with algorithm='auto' or 'two_phase', no fault and zeros='abstain' (those settings apply to majority_vote)"
             )
         original_shape, original_size = buffer_m.shape, buffer_m.numel()
         padded_size = worker_error.numel()
