@@ -12,6 +12,7 @@ Commands:
   sweep           learning-rate sweep: methods x lr factors x seeds, the tuned factor per method
   dppf-sweep      DPPF against local SGD: a pull/push grid per averaging period, over seeds
   ns-precision    signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost
+  plan            an α–β model: bytes and step time per method on a cluster, speed-up, crossover
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ COMMANDS = {
     "ns-precision": "ns_precision",
     "sweep": "sweep",
     "dppf-sweep": "dppf_sweep",
+    "plan": "plan",
 }
 DEMO = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon",
         "dppf_8", "--plot", "demo_curves.png"]  # fmt: skip

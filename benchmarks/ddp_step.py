@@ -149,12 +149,15 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             nodes, per_node = opt.sharded_vote.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
             row["nodes"] = f"{nodes}x{per_node}"
             row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
-            # A node's ranks carry different shares (SignMuon's owners): the node's sum, every call counted.
+            # A node's ranks carry different shares (SignMuon's owners): the node's sums, every
+            # call counted (what the veth counters see) and per timed step.
             node_group = opt.sharded_vote.voter.layout.node_group if method in FSDP else state.layout.node_group
-            total = torch.tensor([float(state.stats.bytes_sent_between_nodes)], dtype=torch.float64, device=device)
+            between = state.stats.bytes_sent_between_nodes
+            total = torch.tensor([float(between), (between - between_before) / args.steps], dtype=torch.float64, device=device)
             if node_group is not None and per_node > 1:
                 dist.all_reduce(total, group=node_group)
-            row["between_nodes_bytes_per_node_all_calls"] = total.item()
+            row["between_nodes_bytes_per_node_all_calls"] = total[0].item()
+            row["between_nodes_bytes_per_node"] = total[1].item()
         rows.append(row)
     return rows
 

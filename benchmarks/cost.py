@@ -1,0 +1,179 @@
+"""An α–β model of one data-parallel step: bytes, communication time and step time per method.
+
+Per rank and step, for a model of n parameters on N nodes of L ranks (M = N·L), with ``e``
+bytes per gradient entry (4 for fp32, 2 for fp16/bf16):
+
+==================  ===============================================  ==============================
+schedule            bytes leaving a node per step                    inside a node, per rank
+==================  ===============================================  ==============================
+ring all-reduce     2(M-1)/M · e·n (N > 1)                            2(L-1)/L · e·n (N = 1)
+two-level           2(N-1)/N · e·n (its L rails together)            2(L-1)/L · e·n
+flat vote           L · 2(M-L)/M · n/8 (two-phase: all-to-all,       the rest of 2(M-1)/M · n/8
+                    then all-gather)
+node-aware vote     2(N-1)/N · n/8                                   2(L-1)/L · 4n + (L-1)/L · n
+PowerSGD (rank r)   ring all-reduce of P and Q: Σ (rows+cols)·r      as the ring
+                    entries per matrix, the rest uncompressed
+==================  ===============================================  ==============================
+
+Time = bytes leaving the node / (its NICs × link rate) + α · rounds between nodes + bytes inside /
+intra-node rate + α_in · rounds inside + the vote's kernels (pack, vote, unpack: 4n bytes at the
+measured kernel throughput) + Newton–Schulz (SignMuon: 5 iterations of (4m²k + 2m³) flops per
+m×k matrix, m ≤ k, split over the node's L ranks in the node-aware vote; PowerSGD: its two
+products per matrix) + compute (forward and backward, given or measured). No overlap of communication with compute is assumed: the model
+is an upper bound for DDP, which overlaps buckets with backward. The vote's bytes are the dense
+formula (one bit per entry); exact zeros (``zeros="abstain"`` on ReLU networks) add up to a
+bit per entry, which ``zero_bits`` accounts for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Cluster", "Workload", "PLAN_METHODS", "crossover", "predict", "parse_rate"]
+
+PLAN_METHODS = ("allreduce", "bf16_allreduce", "allreduce_node", "signsgd_mv", "signsgd_mv_node", "signmuon",
+                "signmuon_node", "powersgd_r4")  # fmt: skip
+
+
+def parse_rate(text: str) -> float:
+    """Bits per second of ``"100mbit"``, ``"1gbit"``, ``"400gbit"``, ``"3600gbit"`` (tc's units)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+    for unit, scale in units.items():
+        if text.lower().endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    raise ValueError(f"rate {text!r}: give a number with kbit, mbit, gbit or tbit (e.g. 100gbit)")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: N nodes of L ranks and their links."""
+
+    nodes: int
+    """N, the number of nodes."""
+    ranks_per_node: int
+    """L, ranks (GPUs) per node."""
+    link_bps: float
+    """Bandwidth of one NIC between nodes, bits per second."""
+    nics_per_node: int | None = None
+    """NICs a node's traffic leaves by (None: one per rank, a rail-optimised cluster)."""
+    latency_s: float = 10e-6
+    """α between nodes: seconds per message round."""
+    intra_bps: float = 3.6e12
+    """Bandwidth inside a node per rank (NVLink: about 450 GB/s)."""
+    intra_latency_s: float = 2e-6
+    """α inside a node."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"nodes={self.nodes} and ranks_per_node={self.ranks_per_node} must be >= 1")
+        if not (self.link_bps > 0 and self.intra_bps > 0):
+            raise ValueError("link rates must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def node_bps(self) -> float:
+        """Bandwidth out of a node: its NICs together."""
+        return self.link_bps * (self.nics_per_node or self.ranks_per_node)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank computes per step."""
+
+    params: int
+    """n, parameters (gradient entries)."""
+    compute_s: float
+    """Forward and backward of one step on one rank, seconds."""
+    matrices: tuple[tuple[int, int], ...] = ()
+    """Shapes of the hidden matrices (SignMuon's Newton–Schulz, PowerSGD's compression); the
+    rest of n (vectors, embeddings and head, on Signum's path as Muon users route them) is not."""
+    kernel_bytes_per_s: float = 20e9
+    """Throughput of pack + vote + unpack on the fp32 gradient (bytes of input per second)."""
+    ns_flops_per_s: float = 50e12
+    """Newton–Schulz's matrix-multiply throughput (float32)."""
+    zero_bits: float = 0.0
+    """Extra bits per entry the vote's zeros cost (0: dense; up to 1 with abstention on ReLU nets)."""
+    extra: dict = field(default_factory=dict)
+    """Free-form notes carried to the report."""
+
+
+def _ring(nbytes: float, ranks: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+
+
+def _ns_flops(matrices) -> float:
+    total = 0.0
+    for rows, cols in matrices:
+        m, k = min(rows, cols), max(rows, cols)
+        total += 5 * (4 * m * m * k + 2 * m**3)
+    return total
+
+
+def _powersgd_entries(workload: Workload, rank: int) -> float:
+    compressed = sum(r * c for r, c in workload.matrices)
+    return sum((r + c) * rank for r, c in workload.matrices) + (workload.params - compressed)
+
+
+def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, float]:
+    """Bytes leaving a node, bytes inside a node per rank, communication and step seconds."""
+    N, L, M, n = cluster.nodes, cluster.ranks_per_node, cluster.world_size, workload.params
+    bits = 1.0 + workload.zero_bits
+    between = inside = rounds = rounds_in = extra_s = 0.0
+    if method in ("allreduce", "bf16_allreduce", "powersgd_r4"):
+        entries = _powersgd_entries(workload, 4) if method == "powersgd_r4" else n
+        if method == "powersgd_r4":  # P = G Q and Q = Gᵀ P per matrix, and the error feedback
+            extra_s = sum(4 * r * c * 4 + 2 * r * c for r, c in workload.matrices) / workload.ns_flops_per_s
+        nbytes = entries * (2 if method == "bf16_allreduce" else 4)
+        if N > 1:
+            between, rounds = _ring(nbytes, M), 2 * (M - 1)
+        else:
+            inside, rounds_in = _ring(nbytes, L), 2 * (L - 1)
+    elif method == "allreduce_node":
+        between, rounds = _ring(4 * n, N), 2 * (N - 1)
+        inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)
+    elif method in ("signsgd_mv", "signmuon"):
+        per_rank = 2 * (M - 1) / M * n * bits / 8 if M > 1 else 0.0
+        share = (M - L) / (M - 1) if M > 1 else 0.0  # of each rank's sends, the part to other nodes
+        between, inside = L * per_rank * share, per_rank * (1 - share)
+        rounds, rounds_in = (2 * (M - 1), 0) if N > 1 else (0, 2 * (L - 1))
+        extra_s = 4 * n / workload.kernel_bytes_per_s
+        if method == "signmuon":
+            extra_s += _ns_flops(workload.matrices) / workload.ns_flops_per_s
+    elif method in ("signsgd_mv_node", "signmuon_node"):
+        between, rounds = (2 * (N - 1) / N * n * bits / 8 if N > 1 else 0.0), 2 * (N - 1)
+        inside, rounds_in = _ring(4 * n, L) + (L - 1) / L * n, 2 * (L - 1) + (L - 1)
+        extra_s = 4 * n / L / workload.kernel_bytes_per_s
+        if method == "signmuon_node":
+            extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
+    else:
+        raise ValueError(f"plan has no model of {method!r}; it models {PLAN_METHODS}")
+    comm_s = (
+        8 * between / cluster.node_bps + rounds * cluster.latency_s
+        + 8 * inside / cluster.intra_bps + rounds_in * cluster.intra_latency_s
+    )  # fmt: skip
+    return {"between_bytes_per_node": between, "inside_bytes_per_rank": inside, "comm_s": comm_s,
+            "extra_s": extra_s, "step_s": workload.compute_s + comm_s + extra_s}  # fmt: skip
+
+
+def crossover(method: str, cluster: Cluster, workload: Workload, baseline: str = "allreduce") -> float | None:
+    """The link rate (bits/s per NIC) below which ``method``'s step is faster than ``baseline``'s;
+    ``math.inf`` if it is faster at every rate, None if at none."""
+
+    def at(rate: float) -> float:
+        other = Cluster(**{**cluster.__dict__, "link_bps": rate})
+        return predict(method, other, workload)["step_s"] - predict(baseline, other, workload)["step_s"]
+
+    low, high = 1e3, 1e15
+    if at(high) < 0:
+        return math.inf
+    if at(low) >= 0:
+        return None
+    for _ in range(200):  # bisection on a log scale
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if at(mid) < 0 else (low, mid)
+    return high

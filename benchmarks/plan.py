@@ -1,0 +1,232 @@
+"""Plan a cluster: bytes, communication and step time per method from an α–β model (``cost.py``),
+the speed-up over the fp32 all-reduce, and the crossover (the link rate above which the vote
+stops paying).
+
+    signmuon-bench plan --model gpt-1.3b --nodes 16 --ranks-per-node 8 --link 100gbit
+    signmuon-bench plan --params 14e6 --compute-ms 40 --nodes 2 --ranks-per-node 4 --link 1gbit --measure-kernels
+    signmuon-bench plan --projection --plot projection.png     # published GPU-cluster figures
+    sudo signmuon-bench plan --validate                        # the model against netem runs here
+
+Compute time per step: ``--compute-ms``, or 6·n·tokens / throughput (``--tokens-per-rank``,
+``--tflops``). The kernels' throughput: ``--kernel-gbps``, or ``--measure-kernels`` on this
+device (``signmuon-bench kernels``; ``gpu_check.sh`` on a GPU). Assumptions of the projection
+are printed with it; it is a projection, not a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from signmuon.benchmarks.cli import command_parser, positive_int
+from signmuon.benchmarks.cost import PLAN_METHODS, Cluster, Workload, crossover, parse_rate, predict
+
+__all__ = ["GPT_SIZES", "main", "model_shapes", "validate", "wire_seconds"]
+
+# GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
+GPT_SIZES = {"gpt-125m": (12, 768, 50257), "gpt-1.3b": (24, 2048, 50257), "gpt-7b": (32, 4096, 50257),
+             "gpt-70b": (80, 8192, 50257)}  # fmt: skip
+PROJECTION = {
+    "models": ("gpt-125m", "gpt-1.3b", "gpt-7b", "gpt-70b"),
+    "nodes": (2, 8, 32, 128, 512),
+    "links_gbit": (25, 100, 400),
+    "ranks_per_node": 8,
+    "tokens_per_rank": 8192,
+    "tflops": 400.0,
+    "kernel_gbps": 1000.0,
+    "ns_tflops": 200.0,
+}
+ASSUMPTIONS = (
+    "projection, not a measurement: 8 GPUs per node on NVLink (450 GB/s per GPU, 2 us), one NIC per GPU "
+    "(10 us per round between nodes), 8192 tokens per GPU per step, forward+backward at 400 TFLOP/s "
+    "(6·n·tokens flops), the vote's kernels at 1 TB/s of fp32 input, Newton–Schulz at 200 TFLOP/s, no "
+    "overlap of communication with backward, one bit per entry (dense); SignMuon's Newton–Schulz split over "
+    "each node's 8 GPUs"
+)
+
+
+def model_shapes(name: str) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(parameters, matrix shapes) of a GPT-style model of ``GPT_SIZES``."""
+    layers, width, vocab = GPT_SIZES[name]
+    per_layer = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]
+    matrices = tuple(per_layer * layers)  # the hidden matrices; the embedding is not orthogonalised
+    return sum(r * c for r, c in matrices) + vocab * width, matrices
+
+
+def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dict]:
+    base = predict("allreduce", cluster, workload)["step_s"]
+    rows = []
+    for method in methods:
+        p = predict(method, cluster, workload)
+        cross = crossover(method, cluster, workload) if method != "allreduce" else None
+        rows.append({"method": method, **p, "speedup": base / p["step_s"], "crossover_bps": cross})
+    return rows
+
+
+def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
+    print(f"{workload.params / 1e6:.1f}M parameters, {cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s), "
+          f"link {cluster.link_bps / 1e9:g} Gbit/s per NIC, compute {workload.compute_s * 1e3:.1f} ms/step")  # fmt: skip
+    print(f"{'method':>16} {'MB out/node':>12} {'MB in/rank':>11} {'comm ms':>9} {'step ms':>9} {'speed-up':>9} "
+          f"{'pays below':>12}")  # fmt: skip
+    for r in rows:
+        cross = r["crossover_bps"]
+        label = "-" if r["method"] == "allreduce" else "always" if cross == math.inf else "never" if cross is None \
+            else f"{cross / 1e9:.3g} Gbit/s"  # fmt: skip
+        print(f"{r['method']:>16} {r['between_bytes_per_node'] / 1e6:>12.2f} {r['inside_bytes_per_rank'] / 1e6:>11.2f} "
+              f"{r['comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} {r['speedup']:>8.2f}x {label:>12}")  # fmt: skip
+
+
+def projection(plot: str | None = None) -> list[dict]:
+    """The projection table: every model, node count and link of :data:`PROJECTION`."""
+    rows = []
+    for name in PROJECTION["models"]:
+        params, matrices = model_shapes(name)
+        compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
+        workload = Workload(params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12)
+        for gbit in PROJECTION["links_gbit"]:
+            for nodes in PROJECTION["nodes"]:
+                cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
+                base = predict("allreduce", cluster, workload)["step_s"]
+                for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node"):
+                    step = predict(method, cluster, workload)["step_s"]
+                    rows.append({"model": name, "link_gbit": gbit, "nodes": nodes, "method": method,
+                                 "step_s": step, "speedup": base / step, "allreduce_step_s": base})  # fmt: skip
+    print(ASSUMPTIONS)
+    for method, label in (("signsgd_mv_node", "signSGD-MV / Signum-MV"), ("signmuon_node", "SignMuon")):
+        print(f"{'model':>9} {'link':>9} " + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
+              + f"   (nodes; {label}, node-aware, step speed-up over the fp32 ring all-reduce)")  # fmt: skip
+        for name in PROJECTION["models"]:
+            for gbit in PROJECTION["links_gbit"]:
+                cells = [r["speedup"] for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
+                print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
+    if plot:
+        _plot(rows, plot)
+    return rows
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PROJECTION["links_gbit"]), figsize=(5 * len(PROJECTION["links_gbit"]), 4), sharey=True)
+    for ax, gbit in zip(axes, PROJECTION["links_gbit"]):
+        for name in PROJECTION["models"]:
+            cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == "signmuon_node"]
+            ax.plot([r["nodes"] for r in cells], [r["speedup"] for r in cells], marker="o", label=name)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{gbit} Gbit/s per GPU between nodes")
+        ax.set_xlabel("nodes of 8 GPUs")
+    axes[0].set_ylabel("step speed-up over fp32 all-reduce")
+    axes[0].legend()
+    fig.suptitle("SignMuon (node-aware vote), projected from an α–β model (assumptions in the README)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def wire_seconds(nbytes: float, rate: str) -> float:
+    """Seconds ``nbytes`` take through one of ``netem``'s shaped links: its token bucket lets a
+    burst (10 ms of traffic, at least 32 KiB, refilled while a step computes) through at once."""
+    bps = parse_rate(rate)
+    burst = max(bps / 8 / 100, 32 * 1024)
+    return 8 * max(0.0, nbytes - burst) / bps
+
+
+def validate(rates=("30mbit", "100mbit", "1gbit"), base="10gbit", width: int = 512, steps: int = 8) -> list[dict]:
+    """Predicted against measured step time under ``netem`` (root), 4 ranks flat and 2 × 2.
+
+    The model's inputs come from a run at ``base`` rate (compute, kernels and Newton–Schulz as
+    measured there, and each method's bytes leaving a node per step as its statistics count
+    them, zeros included); predicted(rate) = step(base) + wire(bytes, rate) − wire(bytes, base)
+    (:func:`wire_seconds`)."""
+    from signmuon.benchmarks import netem
+
+    layouts = {
+        1: ["allreduce", "fp16_allreduce", "signsgd_mv", "signum_mv", "signmuon"],
+        2: ["allreduce", "signsgd_mv_node", "signum_mv_node", "signmuon_node"],
+    }
+    rows = []
+    for per_node, methods in layouts.items():
+        measured = {}
+        for rate in (base, *rates):
+            report = netem.main(["--world-size", "4", "--ranks-per-node", str(per_node), "--rate", rate, "--", "ddp-step",
+                                 "--width", str(width), "--depth", "2", "--steps", str(steps), "--warmup", "3",
+                                 "--methods", *methods] + (["--ranks-per-node", "2"] if per_node > 1 else []))  # fmt: skip
+            measured[rate] = {r["method"]: r for r in report["rows"]}
+        for method in methods:
+            reference = measured[base][method]
+            if method.endswith("_node"):
+                crossing = reference["between_nodes_bytes_per_node"]
+            else:  # one rank per node: all it sends leaves; a flat gloo ring on 2 x 2: one rank of a node crosses
+                crossing = reference["bytes_per_rank"]
+            for rate in rates:
+                predicted = reference["step_s"] + wire_seconds(crossing, rate) - wire_seconds(crossing, base)
+                got = measured[rate][method]["step_s"]
+                rows.append({"layout": f"{4 // per_node}x{per_node}", "method": method, "rate": rate,
+                             "predicted_s": predicted, "measured_s": got, "ratio": predicted / got})  # fmt: skip
+    print(f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}")
+    for r in rows:
+        print(f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
+              f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f}")  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = command_parser("plan", __doc__)
+    parser.add_argument("--model", choices=sorted(GPT_SIZES), help="a GPT-style model (parameters and matrix shapes)")
+    parser.add_argument("--params", type=float, help="parameters, if not --model (matrices: none; PowerSGD and NS omitted)")
+    parser.add_argument("--nodes", type=positive_int, default=2)
+    parser.add_argument("--ranks-per-node", type=positive_int, default=8)
+    parser.add_argument("--link", default="100gbit", help="bandwidth of one NIC between nodes (tc units)")
+    parser.add_argument("--nics-per-node", type=positive_int, default=None, help="default: one per rank")
+    parser.add_argument("--latency-us", type=float, default=10.0, help="α between nodes, per message round")
+    parser.add_argument("--intra-link", default="3600gbit", help="bandwidth inside a node per rank (NVLink)")
+    parser.add_argument("--intra-latency-us", type=float, default=2.0)
+    parser.add_argument("--compute-ms", type=float, help="forward+backward per step (default: 6·n·tokens / --tflops)")
+    parser.add_argument("--tokens-per-rank", type=float, default=8192)
+    parser.add_argument("--tflops", type=float, default=400.0, help="achieved forward+backward throughput")
+    parser.add_argument("--kernel-gbps", type=float, default=1000.0, help="pack+vote+unpack, GB/s of fp32 input")
+    parser.add_argument("--measure-kernels", action="store_true", help="measure the kernels on this machine's CPU")
+    parser.add_argument("--ns-tflops", type=float, default=200.0, help="Newton–Schulz throughput")
+    parser.add_argument("--zero-bits", type=float, default=0.0, help="extra bits per entry for the vote's zeros")
+    parser.add_argument("--methods", nargs="+", default=list(PLAN_METHODS), choices=PLAN_METHODS)
+    parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
+    parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
+    parser.add_argument("--validate", action="store_true", help="predicted vs measured under netem (root)")
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.projection:
+        rows = projection(args.plot)
+    elif args.validate:
+        rows = validate()
+    else:
+        if (args.model is None) == (args.params is None):
+            parser.error("give --model or --params (one of them)")
+        params, matrices = model_shapes(args.model) if args.model else (int(args.params), ())
+        compute = args.compute_ms / 1e3 if args.compute_ms is not None else 6 * params * args.tokens_per_rank / (args.tflops * 1e12)
+        kernel = args.kernel_gbps * 1e9
+        if args.measure_kernels:
+            import torch
+
+            from signmuon.benchmarks.kernels import measure
+
+            t = measure(1 << 22, 2, torch.device("cpu"))
+            kernel = 4 * (1 << 22) / (t["pack"] + t["vote"] + t["unpack"])
+        try:
+            cluster = Cluster(args.nodes, args.ranks_per_node, parse_rate(args.link), args.nics_per_node,
+                              args.latency_us * 1e-6, parse_rate(args.intra_link), args.intra_latency_us * 1e-6)  # fmt: skip
+        except ValueError as error:
+            parser.error(str(error))
+        workload = Workload(params, compute, matrices, kernel, args.ns_tflops * 1e12, args.zero_bits)
+        rows = _table(cluster, workload, args.methods)
+        _print(rows, cluster, workload)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
