@@ -312,6 +312,21 @@ def print_table(results: list[dict], target: float | None = None) -> None:
         )
 
 
+PROJECTED_RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9, "10 Gbit/s": 10e9}
+
+
+def print_projection(results: list[dict], target: float) -> None:
+    """Time to ``target`` if each rank had its own link at each of :data:`PROJECTED_RATES`: the
+    measured time to target plus the bytes it sent until then at that rate. A projection."""
+    print("projected time to target, s, each rank on its own link (the measured time plus the bytes sent until the "
+          "target at the link's rate; latency and overlap not modelled: a projection, not a measurement)")  # fmt: skip
+    print(f"{'method':>16} " + " ".join(f"{name:>11}" for name in PROJECTED_RATES))
+    for r in results:
+        entry = next((e for e in r["log"] if math.isfinite(e["test_loss"]) and e["test_loss"] <= target), None)
+        cells = ["-" if entry is None else f"{entry['time_s'] + 8 * entry['bytes'] / bps:.1f}" for bps in PROJECTED_RATES.values()]
+        print(f"{r['method']:>16} " + " ".join(f"{c:>11}" for c in cells))
+
+
 def print_summary(summaries: dict[str, dict], results: list[dict], target: float | None) -> None:
     """Several seeds: per method the mean ± std of the final test loss and step time, bytes,
     and how many seeds reach ``target`` in what time and steps (mean ± std of those that do)."""
@@ -406,6 +421,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not under_torchrun() or os.environ.get("RANK") == "0":
         if len(args.seeds) == 1:
             print_table(results, target)
+            if target is not None and network_label() == "loopback":
+                print_projection(results, target)
         else:
             print_summary(summaries, results, target)
         print_time_split(results)

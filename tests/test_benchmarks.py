@@ -167,11 +167,18 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
         assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
 
 
-def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes():
+def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
     from signmuon.benchmarks import train
 
     argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "20", "--eval-every", "20", "--no-progress"]
     results = train.main(argv + ["--strategy", "fsdp", "--methods", "adamw", "signmuon"])
+    # One seed with adamw: the table ends with the projected time to adamw's own final loss.
+    out = capsys.readouterr().out
+    projected = next(line for line in out.splitlines() if line.strip().startswith("adamw") and len(line.split()) == 4)
+    entry = results[0]["log"][-1]
+    assert [float(v) for v in projected.split()[1:]] == [
+        pytest.approx(entry["time_s"] + 8 * entry["bytes"] / bps, abs=0.051) for bps in train.PROJECTED_RATES.values()
+    ]
     adamw, signmuon = results
     assert {r["strategy"] for r in results} == {"fsdp"}
     assert all(r["log"][-1]["test_loss"] < r["log"][0]["train_loss"] for r in results), "both learn"
@@ -334,6 +341,13 @@ def test_dppf_sweep_trains_local_sgd_and_each_pull_push(tmp_path):
     assert set(runs) == {(1.0, 0.0), (1.0, 0.5)} and all(r["rounds"] >= 1 for r in runs.values())
     assert runs[(1.0, 0.0)]["test_loss"] != runs[(1.0, 0.5)]["test_loss"], "the push reaches the averager"
     assert json.loads((tmp_path / "d.json").read_text())["summary"][0]["period"] == 8
+
+
+def test_demo_link_needs_a_rate():
+    from signmuon.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit, match="--link needs a rate"):
+        main(["demo", "--link"])
 
 
 def test_demo_help_is_its_own(capsys):
