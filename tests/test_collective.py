@@ -131,6 +131,9 @@ def _zeros_worker(rank: int, world_size: int, n: int, counts: list) -> list:
             x[torch.randperm(n, generator=torch.Generator().manual_seed(k))[:k]] = 0.0
         stats = CommStats()
         out = majority_vote(x, config=VoteConfig(tie="fast"), stats=stats)
+        inplace = x.clone()
+        assert majority_vote(inplace, config=VoteConfig(tie="fast"), out=inplace) is inplace
+        assert torch.equal(inplace, out), "in place: the same vote"
         results.append((x, out, stats.bytes_sent))
     return results
 

@@ -77,6 +77,10 @@ def test_vote_matches_reference(family, voters):
     got = FAMILIES[family].vote(positive, None, None, None)  # all dense
     ref = reference.vote(positive, None, None)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    every = torch.ones(voters, dtype=torch.bool)  # all dense, with tie bits (numba's counting-only path)
+    got = FAMILIES[family].vote(positive, nonzero, every, tie)
+    ref = reference.vote(positive, torch.full_like(nonzero, -1), tie)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -186,3 +190,12 @@ def test_warm_up_compiles_each_kernel_for_each_dtype_before_any_timed_call():
     assert out[0] == "[0, 0, 0, 0]"
     packs, votes, unpacks, ties = eval(out[1])
     assert packs == 2 and votes >= 1 and unpacks == 2 and ties == 1
+
+
+def test_popcount_numpy_path_equals_the_swar_definition():
+    words = torch.randint(-(2**62), 2**62, (1000,), generator=torch.Generator().manual_seed(3))
+    words[:4] = torch.tensor([0, -1, -(2**63), 2**63 - 1])
+    expected = torch.tensor([bin(w & (2**64 - 1)).count("1") for w in words.tolist()])
+    assert torch.equal(torch_ops.popcount64(words), expected)
+    assert torch.equal(torch_ops._popcount_swar(words), expected)
+    assert torch.equal(torch_ops.popcount64(words.view(2, 500)[:, ::2]), expected.view(2, 500)[:, ::2])

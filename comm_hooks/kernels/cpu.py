@@ -104,6 +104,35 @@ def _count_into(counter, carry, depth, m):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _vote_dense(positive, tie, use_tie, out_pos, out_nz, depth, cpos, carry):  # pragma: no cover - compiled
+    # M voters without zeros: +1 wins where its count c > M - c, i.e. 2c > M; a tie is 2c == M.
+    # Bit-sliced c against the constant M: compare 2c's bits (c shifted by one) MSB first.
+    voters, words = positive.shape
+    for start in range(0, words, _BLOCK):
+        m = min(_BLOCK, words - start)
+        cpos[:, :m] = 0
+        for v in range(voters):
+            pv = positive[v, start : start + m]
+            for w in range(m):
+                carry[w] = pv[w]
+            _count_into(cpos, carry, depth, m)
+        for w in range(m):
+            greater = np.uint64(0)
+            equal = _ALL
+            for k in range(depth, -1, -1):  # bit k of 2c is bit k-1 of c; bit k of M is a constant
+                a = cpos[k - 1, w] if k >= 1 else np.uint64(0)
+                b = _ALL if (voters >> k) & 1 else np.uint64(0)
+                greater |= equal & a & ~b
+                equal &= ~(a ^ b)
+            if use_tie:
+                out_pos[start + w] = greater | (equal & tie[start + w])
+                out_nz[start + w] = _ALL
+            else:
+                out_pos[start + w] = greater
+                out_nz[start + w] = ~equal
+
+
+@numba.njit(cache=True, nogil=True)
 def _vote_kernel(positive, nonzero, dense, tie, use_tie, out_pos, out_nz, depth):  # pragma: no cover
     # Bit-sliced counters of +1 and -1 voters, one bit plane per counter bit, vectorised across
     # a block of words: voter by voter, a ripple-carry add per plane; then compare MSB first.
@@ -112,6 +141,12 @@ def _vote_kernel(positive, nonzero, dense, tie, use_tie, out_pos, out_nz, depth)
     cneg = np.empty((depth, _BLOCK), np.uint64)
     carry = np.empty(_BLOCK, np.uint64)
     any_nz = np.empty(_BLOCK, np.uint64)
+    all_dense = True
+    for v in range(voters):
+        all_dense = all_dense and dense[v]
+    if all_dense:  # no zeros anywhere: count the +1 voters only (the rest are -1)
+        _vote_dense(positive, tie, use_tie, out_pos, out_nz, depth, cpos, carry)
+        return
     for start in range(0, words, _BLOCK):
         m = min(_BLOCK, words - start)
         cpos[:, :m] = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from .layout import GOLDEN, MASK64, SignSegments, as_signed, shift_right
@@ -152,7 +153,14 @@ def vote_packed(
 
 
 def popcount64(x: torch.Tensor) -> torch.Tensor:
-    """Set bits per int64 word (SWAR; int64 arithmetic wraps like the unsigned definition)."""
+    """Set bits per int64 word: numpy's ``bitwise_count`` (one SIMD pass) for CPU tensors where
+    numpy has it (2.0+), else SWAR (int64 arithmetic wraps like the unsigned definition)."""
+    if x.device.type == "cpu" and hasattr(np, "bitwise_count"):
+        return torch.from_numpy(np.bitwise_count(x.contiguous().numpy().view(np.uint64)).astype(np.int64))
+    return _popcount_swar(x)
+
+
+def _popcount_swar(x: torch.Tensor) -> torch.Tensor:
     x = x - (shift_right(x, 1) & 0x5555555555555555)
     x = (x & 0x3333333333333333) + (shift_right(x, 2) & 0x3333333333333333)
     x = (x + shift_right(x, 4)) & 0x0F0F0F0F0F0F0F0F
