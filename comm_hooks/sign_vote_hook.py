@@ -124,7 +124,11 @@ class SignVoteState(VoteHookState):
         """
         index, layout = bucket.index(), self._layout(bucket)
         if self.layouts.get(index) != layout:
-            if self.momentum_buffers:  # a new layout: release every bucket's momentum per parameter
+            placed = {key for other in self.layouts.values() for key, _, _ in other}
+            if index in self.layouts or any(key in placed for key, _, _ in layout):
+                # Re-bucketed (this bucket changed, or holds parameters another one held):
+                # release every bucket's momentum per parameter. A bucket merely not seen yet
+                # (the first step of each) joins the others.
                 self.unplaced = self._pieces()
                 self.momentum_buffers, self.layouts = {}, {}
             dtype = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
