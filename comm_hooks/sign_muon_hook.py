@@ -56,7 +56,7 @@ class SignMuonHookState(VoteHookState):
     between the last bucket and ``step()``, which checks it and sets it back to 0).
     """
 
-    __slots__ = ("optimizer", "passes")
+    __slots__ = ("optimizer", "passes", "raised_seen")
     _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer", "iter")
 
     def __init__(
@@ -75,6 +75,32 @@ class SignMuonHookState(VoteHookState):
         self.optimizer = optimizer
         super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
         self.passes = 0
+        self.raised_seen = 0  # ``raised`` at the last step: passes since then that raised
+
+    def check_one_pass(self, name: str) -> None:
+        """For ``name.step()``: raise unless exactly one backward pass ran the hook since the
+        last step (a pass that raised ``NonFiniteError``, caught by the user, counts as one)."""
+        raised = self.raised - self.raised_seen
+        ran = self.passes - raised
+        if ran == 0 and raised:
+            ran = 1  # a step on the zeroed gradients of a failed backward moves nothing voted
+        if ran == 0:
+            raise RuntimeError(
+                f"{name}.step(): sign_muon_hook has not run since the last step; call backward() "
+                "through the DDP model the hook is registered on before step()"
+            )
+        if ran > 1:
+            raise RuntimeError(
+                f"{name}.step(): sign_muon_hook ran {ran} times since the last step, advancing the "
+                "momentum each time; accumulate micro-batches with their forward and backward under "
+                "ddp_model.no_sync()"
+            )
+        self.raised_seen = self.raised
+
+    def stepped(self) -> None:
+        """The optimizer stepped (or loaded a checkpoint): no pass is pending."""
+        self.passes = 0
+        self.raised_seen = self.raised
 
     @property
     def iter(self) -> int:

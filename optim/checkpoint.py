@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks.dist import group_size_rank
 
-__all__ = ["load_rank_state", "rank_state_dict"]
+__all__ = ["keep_saved_dtypes", "load_rank_state", "rank_state_dict"]
 
 
 def _to_cpu(state: dict) -> dict:
@@ -72,3 +72,15 @@ def _check_fits(optimizer, state_dict: dict[str, Any]) -> None:
                     raise ValueError(f"{label}: the checkpoint's {key} is {shape}, expected shape {tuple(value.shape)}")
                 if not loaded.is_floating_point():
                     raise ValueError(f"{label}: the checkpoint's {key} has dtype {loaded.dtype}, expected a float dtype")
+
+
+def keep_saved_dtypes(optimizer, loaded: dict[str, Any]) -> None:
+    """After torch's ``load_state_dict`` (which casts state to each parameter's dtype): put back
+    the saved floating state as it was saved (float32 momentum of bfloat16 parameters stays float32)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+    for p, index in zip(params, saved_ids):
+        device = (p.to_local() if hasattr(p, "to_local") else p).device
+        for key, value in loaded["state"].get(index, {}).items():
+            if torch.is_tensor(value) and value.is_floating_point() and key != "step":
+                optimizer.state[p][key] = value.detach().to(device=device, copy=True)

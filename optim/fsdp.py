@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from signmuon.comm_hooks.dist import check_same_settings
 from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
 from signmuon.comm_hooks.vote import NodeLayout
 
@@ -74,10 +75,37 @@ class ShardedVote:
     mesh: DeviceMesh
     voter: ShardVoter
     specs: dict[torch.Tensor, ShardSpec]
+    settings_checked: bool = False
+    """Whether every rank's optimizer settings were compared (at the first step)."""
 
     @property
     def layout(self) -> tuple[int, int]:
         return self.mesh.shape[0], self.mesh.shape[1]
+
+    def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
+        """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
+        its shard of each mean gradient); every parameter takes part, with or without a gradient."""
+        if not self.settings_checked:
+            device = local_tensor(params[0]).device if params else torch.device("cpu")
+            check_same_settings(optimizer.settings(), optimizer.process_group, what=f"{name} settings", device=device)
+            self.settings_checked = True
+        voted, averaged = optimizer.split_by_path(params)
+        finish = None
+        if any(optimizer.finishes(g, path) for g, _, path in voted):
+            finish = lambda i, signs: optimizer.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
+        step = optimizer.steps_taken
+        signs = self.voter.vote(
+            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in voted],
+            [self.specs[p] for _, p, _ in voted],
+            lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
+            lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
+            finish, step=step, label=f"{name} step {step}",
+        )  # fmt: skip
+        means = self.voter.mean(
+            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in averaged],
+            [tuple(local_tensor(p).shape) for _, p, _ in averaged],
+        )
+        return voted, signs, averaged, means
 
     def state_dict(self, optimizer: SignVoteOptimizer, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` as DCP needs it: each node's momentum as a DTensor of shape (N, *shape), the

@@ -32,7 +32,8 @@ from signmuon.comm_hooks.dist import nonfinite_flag
 from signmuon.comm_hooks.step_vote import StepVoter
 from signmuon.comm_hooks.vote import matrix_cost, owners
 
-from .checkpoint import load_rank_state, rank_state_dict
+from .checkpoint import keep_saved_dtypes, load_rank_state, rank_state_dict
+from .exchanges import from_hook, in_step, refuse_dtensors
 from .functional import signum_direction
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
         self._voter = StepVoter(process_group, vote, self.stats)
         self._comm_state: SignMuonHookState | None = None
-        self._hook_raised_seen = 0
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
         self._owners: tuple[int, dict[torch.Tensor, int]] | None = None  # (L, param -> owning local rank)
         self.sharded_vote: "ShardedVote | None" = None
@@ -224,9 +224,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         if self._comm_state is None:
             if self.sharded_vote is not None:
                 raise RuntimeError(f"{type(self).__name__} votes FSDP shards (register_fsdp_vote); it cannot also take a DDP hook")
-            self._refuse_dtensors([p for g in self.param_groups for p in g["params"]], type(self).__name__)
+            refuse_dtensors([p for g in self.param_groups for p in g["params"]], type(self).__name__)
             self._comm_state = SignMuonHookState(self, self.process_group, vote=self.vote_config)
-            self._hook_raised_seen = 0
         return self._comm_state
 
     @property
@@ -252,26 +251,6 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         return BackwardReducer(params, self.comm_state, sign_muon_hook, sync=sync, bucket_cap_mb=bucket_cap_mb)
 
-    def _check_hook_ran(self) -> None:
-        # Backward passes that raised NonFiniteError (caught by the user) left zero gradients.
-        raised = self._comm_state.raised - self._hook_raised_seen
-        ran = self._comm_state.passes - raised
-        if ran == 0 and raised:
-            ran = 1  # a step on the zeroed gradients of a failed backward moves nothing voted
-        name = type(self).__name__
-        if ran == 0:
-            raise RuntimeError(
-                f"{name}.step(): sign_muon_hook has not run since the last step; call backward() "
-                "through the DDP model the hook is registered on before step()"
-            )
-        if ran > 1:
-            raise RuntimeError(
-                f"{name}.step(): sign_muon_hook ran {ran} times since the last step, advancing the "
-                "momentum each time; accumulate micro-batches with their forward and backward under "
-                "ddp_model.no_sync()"
-            )
-        self._hook_raised_seen = self._comm_state.raised
-
     # -- step ------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -288,8 +267,14 @@ class SignVoteOptimizer(torch.optim.Optimizer):
                     f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {name} "
                     "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
                 )
-        exchange = self._exchange_sharded if self.sharded_vote is not None else self._exchange
-        voted, signs, averaged, means = exchange(params, name)
+        if self.sharded_vote is not None:
+            voted, signs, averaged, means = self.sharded_vote.exchange(self, params, name)
+        else:
+            refuse_dtensors(params, name)
+            if self._comm_state is not None:
+                voted, signs, averaged, means = from_hook(self, self._comm_state, params, name)
+            else:
+                voted, signs, averaged, means = in_step(self, self._voter, params, name)
         if self.vote_config.nonfinite == "raise":  # before any parameter moves
             for (_, p, _), g in zip(averaged, means):
                 if bool(nonfinite_flag(g)):
@@ -308,77 +293,13 @@ class SignVoteOptimizer(torch.optim.Optimizer):
                 local_tensor(p).copy_(self.state[p]["master_weight"])  # the parameter: the master, rounded
         self.steps_taken += 1
         if self._comm_state is not None:
-            self._comm_state.passes = 0  # the backward pass it checked is now stepped
+            self._comm_state.stepped()  # the backward pass it checked is now stepped
         return loss
 
-    def _split(self, params: list[torch.Tensor]) -> tuple[list, list]:
+    def split_by_path(self, params: list[torch.Tensor]) -> tuple[list, list]:
         """(voted, averaged): (group, param, path) of each parameter, by whether its update is voted."""
         entries = [(*self._route(p), p) for p in params]
         return [(g, p, path) for g, path, p in entries if path != "adamw"], [(g, p, path) for g, path, p in entries if path == "adamw"]
-
-    def _refuse_dtensors(self, params: list[torch.Tensor], name: str) -> None:
-        if any(isinstance(p, DTensor) for p in params):
-            raise RuntimeError(
-                f"{name} has DTensor parameters (a model sharded by FSDP2's fully_shard) but no FSDP vote: call "
-                "signmuon.optim.register_fsdp_vote(model, optimizer, mesh) with the (node, local) mesh of "
-                "signmuon.optim.node_mesh(), and shard over mesh['local']; the DDP hook and vote_in_step vote whole tensors"
-            )
-
-    def _exchange(self, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
-        """Unsharded parameters: the voted signs and mean gradients, from the DDP hook or voted here."""
-        self._refuse_dtensors(params, name)
-        hook_mode, world_size = self._comm_state is not None, self._voter.world_size
-        if hook_mode:
-            self._check_hook_ran()
-        elif world_size > 1 and not self.vote_in_step:
-            raise RuntimeError(
-                f"{name} on {world_size} ranks without its communication hook: under DDP call "
-                "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
-            )
-        elif world_size > 1:
-            device = params[0].device if params else torch.device("cpu")
-            self._voter.check_settings(self.settings(), f"{name} settings", device)
-        if not hook_mode and world_size > 1:
-            params = self._voter.used_on_any_rank(params, self.steps_taken, name)
-        else:
-            params = [p for p in params if p.grad is not None]
-        voted, averaged = self._split(params)
-        if hook_mode:
-            # The hook left the vote in .grad; its sign undoes any rescaling since (clipping).
-            # In place: a fresh tensor per parameter per step costs more than the sign itself.
-            return voted, [p.grad.sign_() for _, p, _ in voted], averaged, [p.grad for _, p, _ in averaged]
-        signs = self._voter.vote(
-            [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
-            lambda i, grad: self.local_direction(voted[i][1], grad),
-            lambda i, ranks_per_node: self.owner(voted[i][1], ranks_per_node),
-            present=[p.grad is not None for _, p, _ in voted], step=self.steps_taken,
-            label=f"{name} step {self.steps_taken}",
-        )  # fmt: skip
-        means = self._voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
-        return voted, signs, averaged, means
-
-    def _exchange_sharded(self, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
-        """FSDP2 shards (:func:`~signmuon.optim.register_fsdp_vote`): this rank's shard of each
-        voted update and of each mean gradient; every parameter takes part, with or without a gradient."""
-        sharded = self.sharded_vote
-        device = local_tensor(params[0]).device if params else torch.device("cpu")
-        self._voter.check_settings(self.settings(), f"{name} settings", device)
-        voted, averaged = self._split(params)
-        finish = None
-        if any(self.finishes(g, path) for g, _, path in voted):
-            finish = lambda i, signs: self.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
-        signs = sharded.voter.vote(
-            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in voted],
-            [sharded.specs[p] for _, p, _ in voted],
-            lambda i, grad: self.elementwise_direction(voted[i][1], grad),
-            lambda i, direction: self.whole_direction(voted[i][1], direction),
-            finish, step=self.steps_taken, label=f"{name} step {self.steps_taken}",
-        )  # fmt: skip
-        means = sharded.voter.mean(
-            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in averaged],
-            [tuple(local_tensor(p).shape) for _, p, _ in averaged],
-        )
-        return voted, signs, averaged, means
 
     # -- checkpointing ---------------------------------------------------------------------
 
@@ -398,16 +319,10 @@ class SignVoteOptimizer(torch.optim.Optimizer):
             state_dict = self.sharded_vote.local_state(self, state_dict)
         loaded = load_rank_state(self, state_dict)
         super().load_state_dict(loaded)
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
-        for p, index in zip(params, saved_ids):  # torch casts state to the parameter's dtype
-            for key, value in loaded["state"].get(index, {}).items():
-                if torch.is_tensor(value) and value.is_floating_point() and key != "step":
-                    self.state[p][key] = value.detach().to(device=local_tensor(p).device, copy=True)
+        keep_saved_dtypes(self, loaded)
         self.steps_taken = int(state_dict.get("signmuon", {}).get("steps_taken", 0))
         if self._comm_state is not None:
-            self._comm_state.passes = 0
-            self._hook_raised_seen = self._comm_state.raised
+            self._comm_state.stepped()
 
 
 class SignumMV(SignVoteOptimizer):
