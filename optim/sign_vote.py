@@ -123,6 +123,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         return local_tensor(param) if master is None else master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "sharded_vote", None) is not None:
+            raise ValueError("add param groups before register_fsdp_vote: it lays out the shards of the parameters it sees")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self.check_group(group)

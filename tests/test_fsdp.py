@@ -216,6 +216,11 @@ def _refusal_worker(rank, world_size):
     errors["no_entry_point"] = capture(opt.step)
     errors["ddp_hook"] = capture(lambda: opt.comm_state)
     errors["one_d_mesh"] = capture(lambda: register_fsdp_vote(net, opt, mesh["local"]))
+    registered = _sharded_net(mesh)
+    late = SignumMV(list(registered.parameters())[:2], lr=LR)
+    late.add_param_group({"params": list(registered.parameters())[2:]})
+    register_fsdp_vote(registered, late, mesh)
+    errors["late_group"] = capture(lambda: late.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}))
     hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     hsdp = tiny_net()
     fully_shard(hsdp, mesh=hsdp_mesh)
@@ -237,6 +242,7 @@ def test_refusals_name_what_to_do():
     assert "HSDP" in errors["hsdp"] and "mesh['local']" in errors["hsdp"]
     assert "not in the optimizer" in errors["missing"]
     assert "not sharded" in errors["unsharded"]
+    assert "before register_fsdp_vote" in errors["late_group"]
 
 
 def _checkpoint_worker(rank, world_size, path, per_node, phase):
