@@ -16,6 +16,7 @@ from .functional import (
 )
 from .muon_baseline import MuonWithAdamW
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
+from .rounds import OuterStep
 from .routing import HEAD_NAMES, muon_param_groups
 from .sign_muon import SignMuon
 from .sign_vote import SignSGDMV, SignumMV, SignVoteOptimizer
@@ -29,6 +30,7 @@ __all__ = [
     "MUON_LR_RATIO",
     "MUON_UPDATE_RMS",
     "MuonWithAdamW",
+    "OuterStep",
     "SIGN_OPTIMIZERS",
     "SignMuon",
     "SignSGDMV",

@@ -12,6 +12,11 @@ the valley the workers span; the model to evaluate or save is the average x_bar
 (:meth:`DPPFAverager.consensus_state_dict`). ``pull=1, push=0`` is exactly PyTorch's
 ``PeriodicModelAverager``, and ``push=0`` alone is elastic averaging.
 
+With ``outer=OuterStep(...)`` a round steps a shared consensus with the workers'
+pseudo-gradients (DiLoCo; :mod:`signmuon.optim.rounds`), and x_bar above is that new
+consensus: ``pull=1, push=0, outer=OuterStep.diloco()`` is DiLoCo. With ``layout=`` rounds are
+node-aware: the ranks of a node all-reduce every step, and only rails talk between nodes.
+
 Typical use, with torch's post-local-SGD machinery unchanged (see :func:`local_sgd`)::
 
     model = DDP(net)
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
+from signmuon.comm_hooks import NodeLayout
 from signmuon.comm_hooks.dist import (
     CommStats,
     NonFiniteError,
@@ -44,8 +50,11 @@ from signmuon.comm_hooks.dist import (
     nonfinite_flag,
     settings_digest,
     split_like,
+    tensor_fingerprint,
     unflatten_into,
 )
+
+from .rounds import Consensus, OuterStep, average_over_nodes
 
 __all__ = ["DPPFAverager", "local_sgd", "register_local_sgd_hook", "DISTANCES"]
 
@@ -81,6 +90,16 @@ class DPPFAverager(ModelAverager):
         nonfinite: what a round does when some rank's parameters (or averaged buffers) hold NaN
             or Inf: ``"skip"`` skips the round on every rank (counted in ``stats.skipped``), so no
             replica averages the bad one in; ``"raise"`` raises ``NonFiniteError`` on every rank.
+        outer: the outer step (:class:`OuterStep`): a round combines the workers' pseudo-gradients
+            against a consensus and steps it; pull and push act around the new consensus. The
+            consensus starts as ``module``'s parameters (required; build the averager after DDP,
+            which makes them equal) and again at the end of the warm-up; a round comes after
+            every ``period`` local steps (DiLoCo's schedule; without ``outer``, torch's: right
+            after the warm-up, then every ``period``). Every parameter of ``module`` that
+            requires grad takes part, and ``average_parameters`` must get exactly those.
+        layout: node-aware rounds (:func:`signmuon.comm_hooks.node_layout`, at least two nodes):
+            :func:`local_sgd` all-reduces gradients inside each node every step, and a round
+            sends only each local rank's 1/L slice, over its rail.
 
     Each round starts with two small all-gathers that make it safe against what differs between
     ranks: the step counter, parameter count and shapes must agree (else ``VoteMismatchError``
@@ -107,6 +126,8 @@ class DPPFAverager(ModelAverager):
         distance: str = "model",
         track_distances: bool = True,
         nonfinite: str = "skip",
+        outer: OuterStep | None = None,
+        layout: NodeLayout | None = None,
     ) -> None:
         self.period = _check_int("period", period, 1)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
@@ -120,6 +141,10 @@ class DPPFAverager(ModelAverager):
             raise ValueError(f"eps={eps} must be > 0")
         if distance not in DISTANCES:
             raise ValueError(f"distance={distance!r} must be one of {DISTANCES}")
+        if outer is not None and not isinstance(outer, OuterStep):
+            raise ValueError(f"outer must be an OuterStep, not {type(outer).__name__}")
+        if outer is not None and module is None:
+            raise ValueError("an outer step needs module=: the consensus starts as its parameters")
         super().__init__(process_group)  # sets self.process_group (WORLD if None) and self.step = 0
         self.pull = float(pull)
         self.push = float(push)
@@ -134,11 +159,22 @@ class DPPFAverager(ModelAverager):
         self.max_distance = float("nan")
         self.stats = CommStats()
         self._settings_checked = False  # compared across ranks at the first call
+        self.layout = _check_layout(layout)
+        self.outer = outer
+        self.consensus = None
+        if outer is not None:
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.consensus = Consensus(_by_dtype_and_device(params), outer, self.process_group, self.layout)
+            self._consensus_checked = False
 
     def is_round(self, step: int | None = None) -> bool:
         """Whether ``step`` (default: the next one) averages."""
         step = self.step if step is None else step
-        return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+        if step < self.warmup_steps:
+            return False
+        if self.outer is not None:  # after every `period` local steps
+            return (step - self.warmup_steps + 1) % self.period == 0
+        return (step - self.warmup_steps) % self.period == 0  # torch's: right after the warm-up, then every period
 
     def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
         """Called after every optimizer step; runs a pull-push round when one is due.
@@ -149,15 +185,23 @@ class DPPFAverager(ModelAverager):
         if not self._settings_checked:
             check_same_settings(self._settings(), self.process_group, what="DPPFAverager settings")
             self._settings_checked = True
+        params = _all_params(params)
+        if self.consensus is not None:
+            self.consensus.check_groups(_by_dtype_and_device(params))
+            if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
+                self.consensus.reset([flatten(tensors) for tensors in _by_dtype_and_device(params)])
         if self.is_round():
-            params = self._agreed_params(_all_params(params))
-            if params is not None:
-                self._round(params)
+            agreed = self._agreed_params(params)
+            if agreed is not None:
+                self._round(params if self.consensus is not None else agreed)
         self.step += 1
 
     def _settings(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
-                                                        "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
+        settings = {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
+                                                            "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
+        nodes = None if self.layout is None else (self.layout.nodes, self.layout.ranks_per_node)
+        outer = None if self.outer is None else (self.outer.pseudo_gradient, repr(self.outer.optimizer), repr(self.outer.vote))
+        return {**settings, "outer": outer, "layout": nodes}
 
     @torch.no_grad()
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -190,6 +234,17 @@ class DPPFAverager(ModelAverager):
             return None
         return [p for p, u in zip(params, used.tolist()) if u]
 
+    def _check_consensus(self) -> None:
+        """Once: every rank starts from the same consensus (an averager built before DDP made the
+        parameters equal would otherwise step a different consensus on each rank)."""
+        if self._consensus_checked:
+            return
+        prints = [int(tensor_fingerprint(c)) for c in self.consensus.tensors]
+        group = self.process_group if self.layout is None else self.layout.rail_group
+        agree({f"group {i}": v for i, v in enumerate(prints)}, group, what="the first round with different consensus "
+              "parameters (build DPPFAverager after DDP, which makes the workers' parameters equal)", stats=self.stats)  # fmt: skip
+        self._consensus_checked = True
+
     def _buffers(self) -> list[torch.Tensor]:
         if not (self.average_buffers and self.module is not None):
             return []
@@ -202,9 +257,14 @@ class DPPFAverager(ModelAverager):
             return
         self.stats.calls += 1
         distances = []
-        for tensors in _by_dtype_and_device(params):
-            flat = flatten(tensors)  # [n] this worker's x
-            mean = mean_all_reduce(flat.clone(), group, self.stats)  # [n] x_bar (torch's order: divide, then sum)
+        groups = _by_dtype_and_device(params)
+        flats = [flatten(tensors) for tensors in groups]  # [n] this worker's x, per group
+        if self.consensus is not None:
+            self._check_consensus()
+            targets = self.consensus.advance(flats, self.stats)
+        else:  # x_bar (torch's order: divide, then sum)
+            targets = [average_over_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
+        for tensors, flat, mean in zip(groups, flats, targets):
             diffs = [] if self.push else None
             for p, x_bar in zip(tensors, split_like(mean, tensors)):
                 if diffs is not None:
@@ -261,6 +321,11 @@ class DPPFAverager(ModelAverager):
         floats = [v for v in state.values() if v.is_floating_point()]
         for tensors in _by_dtype_and_device(floats):
             unflatten_into(mean_all_reduce(flatten(tensors), self.process_group), tensors)
+        if self.consensus is not None:  # with an outer step the model is the consensus
+            names = {p: name for name, p in module.named_parameters()}
+            params = [p for p in module.parameters() if p.requires_grad]
+            for tensors, whole in zip(_by_dtype_and_device(params), self.consensus.whole()):
+                unflatten_into(whole, [state[names[p]] for p in tensors])
         return state
 
     # -- checkpointing ---------------------------------------------------------------------
@@ -279,6 +344,7 @@ class DPPFAverager(ModelAverager):
             "mean_distance": self.mean_distance,
             "max_distance": self.max_distance,
             "stats": self.stats.state_dict(),
+            "consensus": None if self.consensus is None else self.consensus.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -291,6 +357,24 @@ class DPPFAverager(ModelAverager):
         self.mean_distance = float(state["mean_distance"])
         self.max_distance = float(state["max_distance"])
         self.stats.load_state_dict(state["stats"])
+        if (state.get("consensus") is None) != (self.consensus is None):
+            raise ValueError("the checkpoint's averager and this one differ in having an outer step")
+        if self.consensus is not None:
+            self.consensus.load_state_dict(state["consensus"])
+            self._consensus_checked = False
+
+
+def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:
+    if layout is None:
+        return None
+    if not isinstance(layout, NodeLayout):
+        raise ValueError(f"layout must be a NodeLayout (signmuon.comm_hooks.node_layout), not {type(layout).__name__}")
+    if layout.nodes < 2:
+        raise ValueError(
+            "node-aware rounds need at least two nodes: on one node every step is all-reduced inside it "
+            "and there is nothing to run rounds between; use plain DDP"
+        )
+    return None if layout.ranks_per_node == 1 else layout  # one rank per node: the flat rounds
 
 
 def _all_params(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:
@@ -331,9 +415,14 @@ def local_sgd(
 def register_local_sgd_hook(ddp_model: nn.parallel.DistributedDataParallel, averager: ModelAverager) -> None:
     """The communication half of :func:`local_sgd`: gradients all-reduced for
     ``averager.warmup_steps`` steps, then none leaves its worker (for frameworks that call
-    ``averager.average_parameters`` after each optimizer step themselves). All ranks call it."""
+    ``averager.average_parameters`` after each optimizer step themselves); with node-aware rounds
+    (an averager with ``layout``) they are all-reduced inside each node every step. All ranks call it."""
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 
-    alone, _ = dist.new_subgroups(group_size=1)
-    state = PostLocalSGDState(process_group=averager.process_group, subgroup=alone, start_localSGD_iter=averager.warmup_steps)
+    layout = getattr(averager, "layout", None)
+    if layout is not None:
+        subgroup = layout.node_group
+    else:
+        subgroup, _ = dist.new_subgroups(group_size=1)
+    state = PostLocalSGDState(process_group=averager.process_group, subgroup=subgroup, start_localSGD_iter=averager.warmup_steps)
     ddp_model.register_comm_hook(state, post_localSGD_hook)

@@ -166,3 +166,29 @@ def unpack_signs_reference(positive: torch.Tensor, numel: int, nonzero: torch.Te
     """Reference for :func:`unpack_signs`, returning float32 on CPU."""
     nz = None if nonzero is None else as_words(nonzero.cpu(), numel)
     return reference.unpack(as_words(positive.cpu(), numel), nz, numel).float()
+
+
+def compressed_allreduce_reference(buffers, worker_errors, server_errors):
+    """1-bit Adam's error-feedback scaled-sign all-reduce, in floats, for all ranks at once."""
+    M = len(buffers)
+    n = worker_errors[0].numel()
+    chunk = n // M
+
+    def compress(x):
+        scale = x.norm() / (x.numel() ** 0.5)
+        sign = torch.where(x >= 0, 1.0, -1.0)
+        return scale, sign, x - scale * sign
+
+    compressed = []
+    for r in range(M):
+        x = torch.zeros(n)
+        x[: buffers[r].numel()] = buffers[r].reshape(-1)
+        scale, sign, worker_errors[r] = compress(x + worker_errors[r])
+        compressed.append(scale * sign)
+    pieces = []
+    for r in range(M):
+        server = sum(c[r * chunk : (r + 1) * chunk] for c in compressed) / M
+        scale, sign, server_errors[r] = compress(server + server_errors[r])
+        pieces.append(scale * sign)
+    result = torch.cat(pieces)[: buffers[0].numel()].view_as(buffers[0])
+    return result, worker_errors, server_errors

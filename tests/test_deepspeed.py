@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import run_distributed
+from tests.harness import compressed_allreduce_reference, run_distributed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
 from signmuon.optim import SignMuon
 
@@ -208,32 +208,6 @@ def test_bf16_in_an_engine_built_elsewhere_is_refused():
 # --- the compressed backend --------------------------------------------------------------
 
 
-def _reference_compressed_allreduce(buffers, worker_errors, server_errors):
-    """1-bit Adam's error-feedback scaled-sign all-reduce, in floats, for all ranks at once."""
-    M = len(buffers)
-    n = worker_errors[0].numel()
-    chunk = n // M
-
-    def compress(x):
-        scale = x.norm() / (x.numel() ** 0.5)
-        sign = torch.where(x >= 0, 1.0, -1.0)
-        return scale, sign, x - scale * sign
-
-    compressed = []
-    for r in range(M):
-        x = torch.zeros(n)
-        x[: buffers[r].numel()] = buffers[r].reshape(-1)
-        scale, sign, worker_errors[r] = compress(x + worker_errors[r])
-        compressed.append(scale * sign)
-    pieces = []
-    for r in range(M):
-        server = sum(c[r * chunk : (r + 1) * chunk] for c in compressed) / M
-        scale, sign, server_errors[r] = compress(server + server_errors[r])
-        pieces.append(scale * sign)
-    result = torch.cat(pieces)[: buffers[0].numel()].view_as(buffers[0])
-    return result, worker_errors, server_errors
-
-
 def _backend_worker(rank, world_size, shape, calls):
     from signmuon.comm_hooks import VoteConfig
 
@@ -260,7 +234,7 @@ def test_compressed_allreduce_matches_reference(world_size, shape):
     server_errors = [torch.zeros(padded // world_size) for _ in range(world_size)]
     for call in range(calls):
         buffers = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + call)) for r in range(world_size)]
-        expected, worker_errors, server_errors = _reference_compressed_allreduce(buffers, worker_errors, server_errors)
+        expected, worker_errors, server_errors = compressed_allreduce_reference(buffers, worker_errors, server_errors)
         for r in range(world_size):
             out, w_err, s_err = results[r][0][call]
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

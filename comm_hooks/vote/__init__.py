@@ -5,6 +5,7 @@ from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
 from .faults import ByzantineFault
 from .node_vote import NodeVoteWork, gather_in_node, matrix_cost, node_mean, owners, vote_owned, world_mean
+from .scaled_sign import error_buffer_sizes, scaled_sign_allreduce
 from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
 from .topology import NodeLayout, node_layout
 
@@ -19,6 +20,7 @@ __all__ = [
     "VoteConfig",
     "VoteWork",
     "ZERO_RULES",
+    "error_buffer_sizes",
     "gather_in_node",
     "majority_vote",
     "majority_vote_async",
@@ -31,6 +33,7 @@ __all__ = [
     "pack_planes_checked",
     "pack_signs",
     "packed_size",
+    "scaled_sign_allreduce",
     "unpack_signs",
     "vote_bytes_per_rank",
     "vote_owned",

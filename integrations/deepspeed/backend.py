@@ -16,9 +16,7 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote
 from signmuon.comm_hooks.dist import group_size_rank
-from signmuon.comm_hooks.kernels import kernels_for
-from signmuon.comm_hooks.vote.exchange import ExchangeWork
-from signmuon.comm_hooks.vote.scaled_sign import ScaledSignEncoding, scaled_sign
+from signmuon.comm_hooks.vote.scaled_sign import scaled_sign, scaled_sign_allreduce
 
 __all__ = ["SignCompressedBackend", "scaled_sign"]
 
@@ -83,24 +81,7 @@ class SignCompressedBackend:
                 "compressed_allreduce always runs two phases, has no fault injection and no zero rule: pass a VoteConfig "
                 "with algorithm='auto' or 'two_phase', no fault and zeros='abstain' (those settings apply to majority_vote)"
             )
-        original_shape, original_size = buffer_m.shape, buffer_m.numel()
-        padded_size = worker_error.numel()
-        chunk = padded_size // self.size
-        if padded_size < original_size or padded_size % (8 * self.size):
-            raise ValueError(
-                f"worker_error has {padded_size} entries; it needs at least buffer_m's {original_size} "
-                f"and a multiple of 8 * world size = {8 * self.size}"
-            )
-        if server_error.numel() != chunk:
-            raise ValueError(f"server_error has {server_error.numel()} entries; it needs worker_error's / world size = {chunk}")
-        flat = torch.zeros(padded_size, dtype=worker_error.dtype, device=worker_error.device)
-        flat[:original_size] = buffer_m.reshape(-1)
-        family = kernels_for(flat.device, self.vote_config.kernels)
-        encoding = ScaledSignEncoding(family, worker_error.view(-1), server_error.view(-1))
-        result = torch.empty_like(flat)
-        ExchangeWork(
-            encoding, flat, self.process_group, out=result, two_phase=True, stats=self.stats,
-            nonfinite=self.vote_config.nonfinite, label="compressed_allreduce",
-        ).wait()  # fmt: skip
-        buffer_m.copy_(result[:original_size].view(original_shape))
-        return buffer_m
+        return scaled_sign_allreduce(
+            buffer_m, worker_error, server_error, self.process_group, kernels=config.kernels,
+            nonfinite=config.nonfinite, stats=self.stats, label="compressed_allreduce",
+        )  # fmt: skip

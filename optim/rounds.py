@@ -1,0 +1,240 @@
+"""Rounds of local-step training: what a round sends between workers, and the outer step.
+
+A round of plain local SGD (torch's ``PeriodicModelAverager``) moves every worker to the
+workers' average. With an outer step (DiLoCo, Douillard et al. 2023) the workers share a
+consensus x_prev, and a round steps it with their pseudo-gradients::
+
+    delta_i <- x_prev - x_i            this worker's pseudo-gradient
+    delta   <- combine_i(delta_i)      their fp32 mean, or one bit per entry
+    x_prev  <- outer optimizer step of x_prev with gradient delta
+
+Node-aware rounds: the ranks of a node all-reduce every step and so hold the same parameters;
+between nodes only rails talk: local rank l carries its 1/L slice of the flat parameters to the
+ranks of the other nodes with local rank l, and the node gathers the slices back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from signmuon.comm_hooks import CommStats, NodeLayout, VoteConfig, majority_vote
+from signmuon.comm_hooks.dist import mean_all_reduce
+from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_sign_allreduce
+
+__all__ = ["OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "combine_pseudo_gradients"]
+
+PSEUDO_GRADIENTS = ("mean", "sign_vote", "scaled_sign")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OuterStep:
+    """The outer step of rounds, passed whole to :class:`~signmuon.optim.DPPFAverager`."""
+
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    """Builds the outer optimizer over the consensus tensors. It gets one flat tensor per dtype
+    and device (this rank's slice of it in node-aware rounds), so it must act entry by entry
+    (SGD, Adam, AdamW); ``functools.partial(torch.optim.SGD, lr=1.0)`` is plain averaging."""
+
+    pseudo_gradient: str = "mean"
+    """How the workers' pseudo-gradients combine: ``"mean"`` (fp32 all-reduce, DiLoCo's),
+    ``"sign_vote"`` (the majority vote of their signs, each tensor scaled by the workers' mean
+    magnitude of its entries) or ``"scaled_sign"`` (1-bit Adam's error-feedback scaled signs).
+    The last two send one bit per entry."""
+
+    vote: VoteConfig | None = None
+    """Settings of the ``"sign_vote"`` combination (default ``VoteConfig()``); its ``nonfinite``
+    and ``kernels`` also apply to ``"scaled_sign"``."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.optimizer):
+            raise ValueError(
+                f"OuterStep.optimizer={self.optimizer!r} must build an optimizer from a list of tensors, "
+                "e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)"
+            )
+        if self.pseudo_gradient not in PSEUDO_GRADIENTS:
+            raise ValueError(f"pseudo_gradient={self.pseudo_gradient!r} must be one of {PSEUDO_GRADIENTS}")
+        if self.vote is not None and not isinstance(self.vote, VoteConfig):
+            raise ValueError(f"OuterStep.vote must be a VoteConfig, not {type(self.vote).__name__}")
+        if self.vote is not None and self.vote.hierarchical:
+            raise ValueError("OuterStep.vote: hierarchical=True does not apply; pass layout= to DPPFAverager for node-aware rounds")
+
+    @classmethod
+    def diloco(cls, lr: float = 0.7, momentum: float = 0.9, pseudo_gradient: str = "mean") -> OuterStep:
+        """DiLoCo's outer step: Nesterov SGD (``lr=0.7, momentum=0.9``) on the pseudo-gradient."""
+        return cls(
+            optimizer=functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=True),
+            pseudo_gradient=pseudo_gradient,
+        )
+
+
+def _rail_bounds(numel: int, layout: NodeLayout | None) -> tuple[int, int, int]:
+    """(lo, hi, chunk): this rank's slice of a flat tensor of ``numel`` entries, and the slice length."""
+    if layout is None:
+        return 0, numel, numel
+    chunk = -(-numel // layout.ranks_per_node)
+    lo = min(numel, layout.local_rank * chunk)
+    return lo, min(numel, lo + chunk), chunk
+
+
+def _gather_slices(piece: torch.Tensor, numel: int, layout: NodeLayout | None, stats: CommStats | None) -> torch.Tensor:
+    """The node's slices joined back into the flat tensor of ``numel`` entries."""
+    if layout is None:
+        return piece
+    _, _, chunk = _rail_bounds(numel, layout)
+    padded = torch.zeros(chunk, dtype=piece.dtype, device=piece.device)
+    padded[: piece.numel()] = piece
+    return gather_in_node(padded, layout, stats).reshape(-1)[:numel]
+
+
+def _exchange_group(group: dist.ProcessGroup | None, layout: NodeLayout | None) -> dist.ProcessGroup | None:
+    return layout.rail_group if layout is not None else group
+
+
+def average_over_nodes(
+    flat: torch.Tensor, group: dist.ProcessGroup | None, layout: NodeLayout | None, stats: CommStats | None
+) -> torch.Tensor:
+    """The mean of ``flat`` over the workers: over ``group``, or node-aware (each rank's slice over
+    its rail, then the node's slices gathered). ``flat`` may be overwritten."""
+    lo, hi, _ = _rail_bounds(flat.numel(), layout)
+    piece = mean_all_reduce(flat[lo:hi].clone() if layout is not None else flat, _exchange_group(group, layout), stats)
+    return _gather_slices(piece, flat.numel(), layout, stats)
+
+
+def combine_pseudo_gradients(
+    delta: torch.Tensor,
+    how: str,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None,
+    *,
+    segments: list[tuple[int, int]],
+    errors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    vote: VoteConfig | None = None,
+    step: int = 0,
+) -> torch.Tensor:
+    """Combine the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group``.
+
+    ``segments`` are the (start, stop) of each tensor in ``delta``: ``"sign_vote"`` scales each
+    by the workers' mean of its mean magnitude. ``errors`` are the (worker, server) feedback
+    buffers of ``"scaled_sign"``; ``step`` keys the vote's tie coins.
+    """
+    vote = VoteConfig.of(vote)
+    if how == "mean":
+        return mean_all_reduce(delta, group, stats)
+    if how == "scaled_sign":
+        return scaled_sign_allreduce(
+            delta, *errors, group, kernels=vote.kernels, nonfinite=vote.nonfinite, stats=stats, label="a round's pseudo-gradient"
+        )
+    pieces = [delta[a:b] for a, b in segments]
+    scales = torch.stack([p.abs().mean() if p.numel() else delta.new_zeros(()) for p in pieces])
+    mean_all_reduce(scales, group, stats)
+    majority_vote(delta, group, vote, step=step, out=delta, stats=stats, label="a round's pseudo-gradient")
+    for piece, scale in zip(pieces, scales):
+        piece.mul_(scale)
+    return delta
+
+
+class Consensus:
+    """State of rounds with an outer step: the consensus x_prev of each flat parameter group
+    (this rank's rail slice of it in node-aware rounds), the outer optimizer over it, and the
+    error-feedback buffers of ``"scaled_sign"``."""
+
+    def __init__(
+        self,
+        groups: list[list[torch.Tensor]],
+        outer: OuterStep,
+        group: dist.ProcessGroup | None,
+        layout: NodeLayout | None,
+    ) -> None:
+        self.outer, self.group, self.layout = outer, group, layout
+        self.sizes = [[t.numel() for t in tensors] for tensors in groups]
+        self.tensors = []
+        for tensors in groups:
+            lo, hi, _ = _rail_bounds(sum(t.numel() for t in tensors), layout)
+            self.tensors.append(torch.cat([t.detach().reshape(-1) for t in tensors])[lo:hi].clone())
+        self.optimizer = outer.optimizer(self.tensors)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ValueError(f"OuterStep.optimizer built a {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self.errors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if outer.pseudo_gradient == "scaled_sign":
+            ranks = dist.get_world_size(_exchange_group(group, layout)) if dist.is_initialized() else 1
+            for c in self.tensors:
+                worker, server = error_buffer_sizes(c.numel(), ranks)
+                self.errors.append((c.new_zeros(worker), c.new_zeros(server)))
+        self.rounds = 0
+
+    def check_groups(self, groups: list[list[torch.Tensor]]) -> None:
+        sizes = [[t.numel() for t in tensors] for tensors in groups]
+        if sizes != self.sizes:
+            raise ValueError(
+                "the parameters given to the round are not those the consensus was made of (DPPFAverager(module=...)'s "
+                "parameters that require grad, in order): average_parameters must get the same parameters every time"
+            )
+
+    @torch.no_grad()
+    def reset(self, flats: list[torch.Tensor]) -> None:
+        """Start again from ``flats`` (the same on every rank: the end of the warm-up)."""
+        for c, flat in zip(self.tensors, flats):
+            lo, hi, _ = _rail_bounds(flat.numel(), self.layout)
+            c.copy_(flat[lo:hi])
+
+    @torch.no_grad()
+    def advance(self, flats: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
+        """One round: combine the workers' pseudo-gradients, step the consensus; returns the new
+        consensus of each group, whole."""
+        group = _exchange_group(self.group, self.layout)
+        for i, (c, flat) in enumerate(zip(self.tensors, flats)):
+            lo, hi, _ = _rail_bounds(flat.numel(), self.layout)
+            delta = c - flat[lo:hi]
+            c.grad = combine_pseudo_gradients(
+                delta, self.outer.pseudo_gradient, group, stats, segments=_segments(self.sizes[i], lo, hi),
+                errors=self.errors[i] if self.errors else None, vote=self.outer.vote, step=self.rounds,
+            )  # fmt: skip
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.rounds += 1
+        return self.whole(stats)
+
+    def whole(self, stats: CommStats | None = None) -> list[torch.Tensor]:
+        """Each group's consensus, whole (gathered inside the node in node-aware rounds: a collective)."""
+        return [_gather_slices(c, sum(sizes), self.layout, stats) for c, sizes in zip(self.tensors, self.sizes)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": [c.detach().clone() for c in self.tensors],
+            "optimizer": self.optimizer.state_dict(),
+            "errors": [(w.clone(), s.clone()) for w, s in self.errors],
+            "rounds": self.rounds,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shapes = [tuple(t.shape) for t in state["tensors"]]
+        if shapes != [tuple(c.shape) for c in self.tensors]:
+            raise ValueError(
+                f"the checkpoint's consensus has slices of {shapes} entries, this averager {[tuple(c.shape) for c in self.tensors]}: "
+                "another model, or another node layout"
+            )
+        for c, saved in zip(self.tensors, state["tensors"]):
+            c.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for (w, s), (saved_w, saved_s) in zip(self.errors, state["errors"]):
+            w.copy_(saved_w)
+            s.copy_(saved_s)
+        self.rounds = int(state["rounds"])
+
+
+def _segments(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Each tensor's (start, stop) inside the slice [lo, hi) of the flat group, empty ones left out."""
+    found, start = [], 0
+    for size in sizes:
+        a, b = max(start, lo), min(start + size, hi)
+        if b > a:
+            found.append((a - lo, b - lo))
+        start += size
+    return found

@@ -1,0 +1,380 @@
+"""Rounds with an outer step (DiLoCo, DPPF around the consensus), one-bit rounds and node-aware
+rounds, on real gloo processes against single-process references, and DiLoCo against torchft's."""
+
+import functools
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.harness import capture, compressed_allreduce_reference, run_distributed, vote_reference
+from signmuon.comm_hooks import VoteConfig, VoteMismatchError, node_layout
+from signmuon.optim import DPPFAverager, OuterStep, local_sgd
+
+H = 3  # local steps per round
+STEPS = 7
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # the same start on every rank, as DDP makes it
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _batch(worker: int, step: int) -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * worker + step))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[:, :2].sin()).pow(2).mean()
+
+
+def _inner(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# --- the single-process reference: DiLoCo (and DPPF around its consensus) as published ----------
+
+
+def _sign_vote_combine(deltas, sizes):
+    """Majority vote of the deltas' signs, each tensor scaled by the workers' mean of its mean |delta|."""
+    voted = vote_reference(torch.stack([d.sign() for d in deltas]))
+    out, start = [], 0
+    for size in sizes:
+        scale = sum(float(d[start : start + size].abs().mean()) for d in deltas) / len(deltas)
+        out.append(voted[start : start + size] * scale)
+        start += size
+    return torch.cat(out)
+
+
+def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean"):
+    """Each worker's flat parameters after every step."""
+    models = [_model() for _ in range(workers)]
+    inners = [_inner(m) for m in models]
+    consensus = _flat(models[0]).clone()
+    outer = torch.optim.SGD([consensus], lr=outer_lr, momentum=momentum, nesterov=True)
+    sizes = [p.numel() for p in models[0].parameters()]
+    errors = None
+    history = []
+    for step in range(steps):
+        for w, (m, opt) in enumerate(zip(models, inners)):
+            opt.zero_grad()
+            _loss(m, _batch(w, step)).backward()
+            opt.step()
+        if (step + 1) % period == 0:
+            deltas = [consensus - _flat(m) for m in models]
+            if combine == "mean":
+                consensus.grad = sum(deltas) / workers
+            elif combine == "sign_vote":
+                consensus.grad = _sign_vote_combine(deltas, sizes)
+            else:
+                n = consensus.numel()
+                padded = -(-n // (8 * workers)) * 8 * workers
+                if errors is None:
+                    errors = ([torch.zeros(padded) for _ in range(workers)], [torch.zeros(padded // workers) for _ in range(workers)])
+                consensus.grad, *errors = compressed_allreduce_reference(deltas, *errors)
+            outer.step()
+            for m in models:
+                x = _flat(m)
+                d = x - consensus
+                new = x - pull * d + push * d / max(float(d.norm()), 1e-8)
+                torch.nn.utils.vector_to_parameters(new, m.parameters())
+        history.append([_flat(m) for m in models])
+    return history
+
+
+def _rounds_worker(rank, world_size, pull, push, combine, steps):
+    model = _model()
+    inner = _inner(model)
+    outer = OuterStep(
+        optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), pseudo_gradient=combine,
+        vote=VoteConfig(tie="exact"),
+    )  # fmt: skip
+    averager = DPPFAverager(period=H, pull=pull, push=push, outer=outer, module=model)
+    history = []
+    for step in range(steps):
+        inner.zero_grad()
+        _loss(model, _batch(rank, step)).backward()
+        inner.step()
+        averager.average_parameters(model.parameters())
+        history.append(_flat(model).clone())
+    consensus = _flat_of(averager.consensus_state_dict(model), model)
+    return history, averager.rounds, averager.stats.bytes_sent, consensus
+
+
+def _flat_of(state, model):
+    names = [name for name, _ in model.named_parameters()]
+    return torch.cat([state[n].reshape(-1) for n in names])
+
+
+@pytest.mark.parametrize("pull, push", [(1.0, 0.0), (0.6, 0.02)])
+def test_outer_step_rounds_equal_the_reference(pull, push):
+    """pull=1, push=0 is DiLoCo; otherwise DPPF's pull and push act around the new consensus."""
+    workers = 3
+    results = run_distributed(_rounds_worker, workers, pull, push, "mean", STEPS)
+    expected = _reference(workers, STEPS, H, pull=pull, push=push)
+    for rank, (history, rounds, _, consensus) in enumerate(results):
+        assert rounds == STEPS // H
+        for step, got in enumerate(history):
+            torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+    if pull == 1.0:  # right after the last round (step 6 of 0..6) every worker is the consensus
+        assert torch.equal(results[0][0][5], results[1][0][5])
+
+
+@pytest.mark.parametrize("combine", ["sign_vote", "scaled_sign"])
+def test_one_bit_rounds_equal_the_reference(combine):
+    workers = 3
+    results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS)
+    expected = _reference(workers, STEPS, H, combine=combine)
+    for rank, (history, _, _, _) in enumerate(results):
+        for step, got in enumerate(history):
+            torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+
+
+def _bytes_worker(rank, world_size, combine):
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512)
+    outer = OuterStep.diloco(pseudo_gradient=combine)
+    averager = DPPFAverager(period=1, outer=outer, module=model, track_distances=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+    averager.average_parameters(model.parameters())
+    before = averager.stats.bytes_sent
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank + 10)))
+    averager.average_parameters(model.parameters())  # a second round: without the first round's checks
+    return averager.stats.bytes_sent - before
+
+
+def test_one_bit_rounds_send_a_32nd_of_the_fp32_round():
+    fp32, vote, scaled = (run_distributed(_bytes_worker, 4, c)[0] for c in ("mean", "sign_vote", "scaled_sign"))
+    assert fp32 >= 2 * 3 / 4 * (512 * 513) * 4  # the ring's bytes of the fp32 pseudo-gradient
+    for one_bit in (vote, scaled):
+        assert fp32 / 40 < one_bit < fp32 / 25, (fp32, one_bit)
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def _resume_worker(rank, world_size, combine, path):
+    """Run STEPS steps straight, and again with a save after step 4 and a load into fresh objects."""
+
+    def build():
+        model = _model()
+        averager = DPPFAverager(period=H, pull=0.7, push=0.01, outer=OuterStep.diloco(pseudo_gradient=combine), module=model)
+        return model, _inner(model), averager
+
+    def run(model, inner, averager, steps):
+        for step in steps:
+            inner.zero_grad()
+            _loss(model, _batch(rank, step)).backward()
+            inner.step()
+            averager.average_parameters(model.parameters())
+
+    straight = build()
+    run(*straight, range(STEPS + 3))
+    first = build()
+    run(*first, range(5))
+    torch.save({"model": first[0].state_dict(), "inner": first[1].state_dict(), "averager": first[2].state_dict()},
+               f"{path}.{rank}")  # fmt: skip
+    resumed = build()
+    saved = torch.load(f"{path}.{rank}", weights_only=False)
+    resumed[0].load_state_dict(saved["model"])
+    resumed[1].load_state_dict(saved["inner"])
+    resumed[2].load_state_dict(saved["averager"])
+    run(*resumed, range(5, STEPS + 3))
+    return _flat(straight[0]), _flat(resumed[0]), straight[2].consensus.state_dict(), resumed[2].consensus.state_dict()
+
+
+@pytest.mark.parametrize("combine", ["mean", "scaled_sign"])
+def test_resume_is_bit_identical(combine):
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_distributed(_resume_worker, 2, combine, os.path.join(tmp, "ckpt"))
+    for straight, resumed, consensus_a, consensus_b in results:
+        assert torch.equal(straight, resumed)
+        assert all(torch.equal(a, b) for a, b in zip(consensus_a["tensors"], consensus_b["tensors"]))
+        momentum = [s["momentum_buffer"] for s in consensus_a["optimizer"]["state"].values()]
+        assert momentum and all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+                                for a, b in zip(consensus_a["optimizer"]["state"].values(), consensus_b["optimizer"]["state"].values()))  # fmt: skip
+        if combine == "scaled_sign":
+            assert all(torch.equal(a, b) for pa, pb in zip(consensus_a["errors"], consensus_b["errors"]) for a, b in zip(pa, pb))
+
+
+# --- node-aware rounds ------------------------------------------------------------------------
+
+
+def _node_worker(rank, world_size, combine):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    layout = node_layout(None, 2)
+    model = DDP(_model())
+    averager = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(pseudo_gradient=combine), module=model.module, layout=layout)
+    opt = local_sgd(model, _inner(model), averager)
+    history = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, _batch(rank, step)).backward()
+        opt.step()
+        history.append(_flat(model.module).clone())
+    return history, averager.stats.bytes_sent_between_nodes, averager.consensus.tensors[0].numel()
+
+
+def _node_reference(nodes, per_node, steps):
+    """DiLoCo over `nodes` workers whose gradient is the mean of their ranks' gradients."""
+    models = [_model() for _ in range(nodes)]
+    inners = [_inner(m) for m in models]
+    consensus = _flat(models[0]).clone()
+    outer = torch.optim.SGD([consensus], lr=0.7, momentum=0.9, nesterov=True)
+    history = []
+    for step in range(steps):
+        for node, (m, opt) in enumerate(zip(models, inners)):
+            opt.zero_grad()
+            sum(_loss(m, _batch(node * per_node + i, step)) for i in range(per_node)).div(per_node).backward()
+            opt.step()
+        if (step + 1) % H == 0:
+            consensus.grad = sum(consensus - _flat(m) for m in models) / nodes
+            outer.step()
+            for m in models:
+                torch.nn.utils.vector_to_parameters(consensus.clone(), m.parameters())
+        history.append([_flat(m) for m in models])
+    return history
+
+
+def test_node_aware_rounds_equal_the_node_level_reference():
+    results = run_distributed(_node_worker, 4, "mean")  # 2 nodes x 2 ranks
+    expected = _node_reference(2, 2, STEPS)
+    numel = expected[0][0].numel()
+    for rank, (history, between, slice_numel) in enumerate(results):
+        for step, got in enumerate(history):
+            torch.testing.assert_close(got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+        chunk = math.ceil(numel / 2)
+        assert slice_numel == min(chunk, numel - (rank % 2) * chunk)  # the consensus and its momentum: 1/L per rank
+        # Between nodes: each round's ring over the 2 nodes' rail carries this rank's half.
+        rail_ring = 2 * (2 - 1) * slice_numel * 4 // 2
+        assert between >= (STEPS // H) * rail_ring
+        assert between < (STEPS // H) * rail_ring + 4096  # plus the small agreement rounds
+    for a, b in zip(results[0][0], results[1][0]):  # the ranks of a node hold the same parameters
+        assert torch.equal(a, b)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def _bad_outer_worker(rank, world_size):
+    model = _model()
+    averager = DPPFAverager(period=2, outer=OuterStep.diloco(), module=model)
+    return (
+        capture(lambda: DPPFAverager(period=2, outer=OuterStep(optimizer=lambda params: params), module=model)),
+        capture(lambda: averager.average_parameters(list(model.parameters())[:2])),
+    )
+
+
+def test_bad_outer_settings():
+    with pytest.raises(ValueError, match="pseudo_gradient"):
+        OuterStep(optimizer=torch.optim.SGD, pseudo_gradient="int8")
+    with pytest.raises(ValueError, match="must build an optimizer"):
+        OuterStep(optimizer=torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    with pytest.raises(ValueError, match="module="):
+        DPPFAverager(period=2, outer=OuterStep.diloco())
+    with pytest.raises(ValueError, match="OuterStep"):
+        DPPFAverager(period=2, outer=torch.optim.SGD, module=_model())
+    not_an_optimizer, other_params = run_distributed(_bad_outer_worker, 1)[0]
+    assert "not a torch.optim.Optimizer" in not_an_optimizer
+    assert "same parameters" in other_params
+
+
+def _unequal_start_worker(rank, world_size):
+    torch.manual_seed(rank)  # no DDP: every rank starts elsewhere
+    model = nn.Linear(3, 2)
+    averager = DPPFAverager(period=1, outer=OuterStep.diloco(), module=model)
+    return capture(lambda: averager.average_parameters(model.parameters()))
+
+
+def test_an_unequal_start_raises_on_every_rank():
+    for error in run_distributed(_unequal_start_worker, 2):
+        assert error is not None and "build DPPFAverager after DDP" in error and VoteMismatchError.__name__ in error
+
+
+def _one_node_worker(rank, world_size):
+    return capture(lambda: DPPFAverager(period=2, layout=node_layout(None, 2)))
+
+
+def test_node_aware_rounds_need_two_nodes():
+    for error in run_distributed(_one_node_worker, 2):
+        assert error is not None and "at least two nodes" in error
+
+
+# --- DiLoCo against torchft's ---------------------------------------------------------------------
+
+
+def _torchft_replica(replica, lighthouse, out_dir):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    torch.set_num_threads(1)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    model = _model()
+    inner = _inner(model)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(
+        pg=ProcessGroupGloo(), min_replica_size=2, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+        replica_id=str(replica), store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=lighthouse, port=0, timeout=timedelta(seconds=60), use_async_quorum=False, init_sync=False,
+    )  # fmt: skip
+    history = []
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=H):
+            for step in range(STEPS):
+                inner.zero_grad()
+                _loss(model, _batch(replica, step)).backward()
+                inner.step()
+                history.append(_flat(model).clone())
+    finally:
+        manager.shutdown(wait=False)
+    torch.save(history, os.path.join(out_dir, f"replica{replica}.pt"))
+
+
+def _run_torchft(replicas):
+    import multiprocessing
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas)
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            ctx = multiprocessing.get_context("spawn")
+            procs = [ctx.Process(target=_torchft_replica, args=(r, lighthouse.address(), out_dir)) for r in range(replicas)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=180)
+            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+            return [torch.load(os.path.join(out_dir, f"replica{r}.pt")) for r in range(replicas)]
+    finally:
+        lighthouse.shutdown()
+
+
+def test_diloco_equals_torchft_step_for_step():
+    theirs = _run_torchft(2)
+    ours = run_distributed(_rounds_worker, 2, 1.0, 0.0, "mean", STEPS)
+    for replica in range(2):
+        for step in range(STEPS):
+            torch.testing.assert_close(
+                ours[replica][0][step], theirs[replica][step], rtol=1e-6, atol=1e-7, msg=f"replica {replica} step {step}"
+            )
+    assert not torch.equal(theirs[0][1], theirs[1][1])  # the replicas do train apart between rounds
+    assert torch.equal(theirs[0][H - 1], theirs[1][H - 1])  # and meet at each round
