@@ -50,7 +50,6 @@ from signmuon.comm_hooks.dist import (
     nonfinite_flag,
     settings_digest,
     split_like,
-    tensor_fingerprint,
     unflatten_into,
 )
 
@@ -203,47 +202,17 @@ class DPPFAverager(ModelAverager):
         outer = None if self.outer is None else (self.outer.pseudo_gradient, repr(self.outer.optimizer), repr(self.outer.vote))
         return {**settings, "outer": outer, "layout": nodes}
 
-    @torch.no_grad()
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The parameters every rank averages this round, or None when the round is skipped."""
-        group = self.process_group
-        if dist._rank_not_in_group(group):
+        if dist._rank_not_in_group(self.process_group):
             return None
-        device = params[0].device if params else "cpu"
-        layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
-        agree(
-            {"step": self.step, "parameters": len(params), "layout": layout}, group, what="a DPPF round", device=device,
-            stats=self.stats,
-        )  # fmt: skip
-        buffers = self._buffers()
-        # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then the buffers' row.
-        flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
-        if params:
-            flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
-            flags[:-1, 1] = torch.stack([nonfinite_flag(p.detach()).to(device) for p in params])
-        if buffers:
-            flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
-        gathered = gather_rows(flags, group, self.stats).bool()  # [M, P + 1, 2]
-        used = gathered[:, :-1, 0].any(dim=0)  # [P]
-        bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
-        bad_ranks = bad.nonzero().view(-1).tolist()
+        used, bad_ranks = round_flags(params, self._buffers(), self.process_group, self.step, self.stats)
         if bad_ranks:
             self.stats.skipped += 1
             if self.nonfinite == "raise":
                 raise NonFiniteError(f"NaN or Inf in the parameters of rank(s) {bad_ranks} at DPPF round (step {self.step})")
             return None
-        return [p for p, u in zip(params, used.tolist()) if u]
-
-    def _check_consensus(self) -> None:
-        """Once: every rank starts from the same consensus (an averager built before DDP made the
-        parameters equal would otherwise step a different consensus on each rank)."""
-        if self._consensus_checked:
-            return
-        prints = [int(tensor_fingerprint(c)) for c in self.consensus.tensors]
-        group = self.process_group if self.layout is None else self.layout.rail_group
-        agree({f"group {i}": v for i, v in enumerate(prints)}, group, what="the first round with different consensus "
-              "parameters (build DPPFAverager after DDP, which makes the workers' parameters equal)", stats=self.stats)  # fmt: skip
-        self._consensus_checked = True
+        return used
 
     def _buffers(self) -> list[torch.Tensor]:
         if not (self.average_buffers and self.module is not None):
@@ -260,7 +229,9 @@ class DPPFAverager(ModelAverager):
         groups = _by_dtype_and_device(params)
         flats = [flatten(tensors) for tensors in groups]  # [n] this worker's x, per group
         if self.consensus is not None:
-            self._check_consensus()
+            if not self._consensus_checked:
+                self.consensus.check_same_start(self.stats)
+                self._consensus_checked = True
             targets = self.consensus.advance(flats, self.stats)
         else:  # x_bar (torch's order: divide, then sum)
             targets = [average_over_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
@@ -272,42 +243,17 @@ class DPPFAverager(ModelAverager):
                 # lerp is exact at weight 1, so pull=1, push=0 gives torch's average bit for bit.
                 p.lerp_(x_bar.to(p.dtype), self.pull)
             if diffs is not None:
-                distances += self._push(tensors, diffs)
+                distances += push_away(tensors, diffs, self.push, self.eps, per_tensor=self.distance == "tensor")
             else:
                 distances.append(float((flat - mean).norm()))
         if self.average_buffers and self.module is not None:
             self._average_buffers()
-        self._record(distances)
+        self.mean_distance, self.max_distance = worker_distances(distances, self.process_group, self.track_distances)
         self.rounds += 1
-
-    def _push(self, tensors: list[torch.Tensor], diffs: list[torch.Tensor]) -> list[float]:
-        """x_i += push * d_i / max(r_i, eps), with r_i per model or per tensor; returns the r_i."""
-        if self.distance == "model":
-            r = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs))
-            for p, d in zip(tensors, diffs):
-                p.add_(d, alpha=self.push / max(r, self.eps))
-            return [r]
-        radii = []
-        for p, d in zip(tensors, diffs):
-            r = float(d.norm())
-            p.add_(d, alpha=self.push / max(r, self.eps))
-            radii.append(r)
-        return radii
 
     def _average_buffers(self) -> None:
         for tensors in _by_dtype_and_device(self._buffers()):
             unflatten_into(mean_all_reduce(flatten(tensors), self.process_group, self.stats), tensors)
-
-    def _record(self, distances: list[float]) -> None:
-        # With several dtype groups or per-tensor distances, a worker's distance is their root sum of squares.
-        mine = math.sqrt(sum(r * r for r in distances))
-        if self.track_distances and dist.get_world_size(self.process_group) > 1:
-            gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(self.process_group))]
-            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.float64), group=self.process_group)
-            self.mean_distance = float(torch.cat(gathered).mean())
-            self.max_distance = float(torch.cat(gathered).max())
-        else:
-            self.mean_distance = self.max_distance = mine
 
     # -- the consensus model ---------------------------------------------------------------
 
@@ -362,6 +308,56 @@ class DPPFAverager(ModelAverager):
         if self.consensus is not None:
             self.consensus.load_state_dict(state["consensus"])
             self._consensus_checked = False
+
+
+def push_away(tensors: list[torch.Tensor], diffs: list[torch.Tensor], push: float, eps: float, *, per_tensor: bool) -> list[float]:
+    """``x_i += push * d_i / max(r_i, eps)`` with r_i the norm of all ``diffs`` together, or of each
+    on its own where ``per_tensor``; returns the r_i."""
+    if not per_tensor:
+        r = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs))
+        for p, d in zip(tensors, diffs):
+            p.add_(d, alpha=push / max(r, eps))
+        return [r]
+    radii = []
+    for p, d in zip(tensors, diffs):
+        r = float(d.norm())
+        p.add_(d, alpha=push / max(r, eps))
+        radii.append(r)
+    return radii
+
+
+def worker_distances(distances: list[float], group: dist.ProcessGroup, gather: bool) -> tuple[float, float]:
+    """(mean, max) over the workers of each one's distance to the consensus (the root sum of
+    squares of ``distances``); this worker's alone unless ``gather``."""
+    mine = math.sqrt(sum(r * r for r in distances))
+    if not gather or dist.get_world_size(group) == 1:
+        return mine, mine
+    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.float64), group=group)
+    return float(torch.cat(gathered).mean()), float(torch.cat(gathered).max())
+
+
+@torch.no_grad()
+def round_flags(
+    params: list[torch.Tensor], buffers: list[torch.Tensor], group: dist.ProcessGroup, step: int, stats: CommStats
+) -> tuple[list[torch.Tensor], list[int]]:
+    """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
+    ``buffers``): one all-gather, after checking that every rank is at the same step with the
+    same parameter shapes (else ``VoteMismatchError`` on every rank)."""
+    device = params[0].device if params else "cpu"
+    layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
+    agree({"step": step, "parameters": len(params), "layout": layout}, group, what="a DPPF round", device=device, stats=stats)
+    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then the buffers' row.
+    flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
+    if params:
+        flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
+        flags[:-1, 1] = torch.stack([nonfinite_flag(p.detach()).to(device) for p in params])
+    if buffers:
+        flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
+    gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
+    used = gathered[:, :-1, 0].any(dim=0)  # [P]
+    bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
+    return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist()
 
 
 def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import CommStats, NodeLayout, VoteConfig, majority_vote
-from signmuon.comm_hooks.dist import mean_all_reduce
+from signmuon.comm_hooks.dist import agree, mean_all_reduce, tensor_fingerprint
 from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_sign_allreduce
 
 __all__ = ["OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "combine_pseudo_gradients"]
@@ -167,6 +167,13 @@ class Consensus:
                 worker, server = error_buffer_sizes(c.numel(), ranks)
                 self.errors.append((c.new_zeros(worker), c.new_zeros(server)))
         self.rounds = 0
+
+    def check_same_start(self, stats: CommStats | None) -> None:
+        """Raise on every rank unless all start from the same consensus (an averager built before
+        DDP made the parameters equal would otherwise step a different consensus on each rank)."""
+        prints = {f"group {i}": int(tensor_fingerprint(c)) for i, c in enumerate(self.tensors)}
+        agree(prints, _exchange_group(self.group, self.layout), stats=stats, what="the first round with different "
+              "consensus parameters (build DPPFAverager after DDP, which makes the workers' parameters equal)")  # fmt: skip
 
     def check_groups(self, groups: list[list[torch.Tensor]]) -> None:
         sizes = [[t.numel() for t in tensors] for tensors in groups]
