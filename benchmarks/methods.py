@@ -5,6 +5,7 @@ the model, optimizer and statistics one rank trains with (:class:`Setup`), per m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -12,10 +13,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.comm_hooks import ByzantineFault, CommStats, SignVoteState, VoteConfig, allreduce_hook, sign_vote_hook
+from signmuon.comm_hooks import (
+    ByzantineFault,
+    CommStats,
+    SignVoteState,
+    VoteConfig,
+    allreduce_hook,
+    node_layout,
+    sign_vote_hook,
+)
 from signmuon.optim import (
     DPPFAverager,
     MuonWithAdamW,
+    OuterStep,
     SignMuon,
     SignSGDMV,
     SignumMV,
@@ -71,6 +81,10 @@ class TrainConfig:
     local SGD (pull 1, push 0) keeps its own."""
     vote_zeros: str = "abstain"
     """The vote methods' zero rule (``VoteConfig.zeros``): ``abstain`` or ``coin``."""
+    outer_lr: float = 0.7
+    """The DiLoCo methods' outer learning rate (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """The DiLoCo methods' outer Nesterov momentum (DiLoCo's 0.9; 0 is plain SGD)."""
     strategy: str = "ddp"
     """``ddp`` (replicas) or ``fsdp``: FSDP2's ``fully_shard`` per block; ``adamw`` shards over
     every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes."""
@@ -306,6 +320,31 @@ def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     return build
 
 
+def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0, push: float = 0.0) -> Method:
+    """AdamW on each worker, a round every ``period`` steps: DiLoCo's outer Nesterov step on the
+    pseudo-gradients combined by ``pseudo_gradient`` (None: plain averaging, no outer step).
+    Node-aware where the run is laid out in nodes (``--ranks-per-node``, torchrun): AdamW on the
+    node's mean gradient every step, rounds between nodes on the rails."""
+
+    is_dppf = (pull, push) != LOCAL_SGD_PULL_PUSH
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        model = _ddp(net)
+        layout = node_layout(None, config.ranks_per_node) if dist.get_world_size() > 1 else None
+        layout = layout if layout is not None and layout.nodes > 1 else None
+        pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
+        outer = None if pseudo_gradient is None else OuterStep(
+            optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
+                                        nesterov=config.outer_momentum > 0),
+            pseudo_gradient=pseudo_gradient,
+        )  # fmt: skip
+        averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout)
+        opt = local_sgd(model, torch.optim.AdamW(model.parameters(), lr=2e-3 * config.lr_scale), averager)
+        return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
+
+    return build
+
+
 METHODS: dict[str, Method] = {
     "adamw": _ddp_allreduce(lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
     "sgd": _ddp_allreduce(lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9)),
@@ -329,6 +368,16 @@ METHODS: dict[str, Method] = {
     "dppf_32": _local_sgd(32, pull=0.5, push=0.05),
     "dppf_8_wide": _local_sgd(8, pull=0.5, push=0.2),
     "dppf_32_wide": _local_sgd(32, pull=0.5, push=0.2),
+    "local_adamw_8": _rounds(8, pseudo_gradient=None),
+    "local_adamw_32": _rounds(32, pseudo_gradient=None),
+    "diloco_8": _rounds(8),
+    "diloco_32": _rounds(32),
+    "diloco_vote_8": _rounds(8, pseudo_gradient="sign_vote"),
+    "diloco_vote_32": _rounds(32, pseudo_gradient="sign_vote"),
+    "diloco_ef_8": _rounds(8, pseudo_gradient="scaled_sign"),
+    "diloco_ef_32": _rounds(32, pseudo_gradient="scaled_sign"),
+    "dppf_outer_8": _rounds(8, pull=0.5, push=0.05),
+    "dppf_outer_32": _rounds(32, pull=0.5, push=0.05),
 }
 
 # --strategy fsdp: the methods that have a sharded form.

@@ -70,6 +70,17 @@ METHODS: dict[str, MethodInfo] = {
     "dppf_32": MethodInfo("DPPF every 32 steps (pull 0.5, push 0.05)", (_TRAIN,)),
     "dppf_8_wide": MethodInfo("DPPF every 8 steps (pull 0.5, push 0.2)", (_TRAIN,)),
     "dppf_32_wide": MethodInfo("DPPF every 32 steps (pull 0.5, push 0.2)", (_TRAIN,)),
+    # rounds with AdamW inside (node-aware where the run is laid out in nodes)
+    "local_adamw_8": MethodInfo("AdamW locally, plain averaging every 8 steps", (_TRAIN,)),
+    "local_adamw_32": MethodInfo("AdamW locally, plain averaging every 32 steps", (_TRAIN,)),
+    "diloco_8": MethodInfo("DiLoCo: AdamW inside, outer Nesterov step every 8 steps (fp32 rounds)", (_TRAIN,)),
+    "diloco_32": MethodInfo("DiLoCo, outer step every 32 steps (fp32 rounds)", (_TRAIN,)),
+    "diloco_vote_8": MethodInfo("DiLoCo every 8 steps, pseudo-gradient as a sign vote (one bit)", (_TRAIN,)),
+    "diloco_vote_32": MethodInfo("DiLoCo every 32 steps, pseudo-gradient as a sign vote (one bit)", (_TRAIN,)),
+    "diloco_ef_8": MethodInfo("DiLoCo every 8 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
+    "diloco_ef_32": MethodInfo("DiLoCo every 32 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
+    "dppf_outer_8": MethodInfo("DPPF around DiLoCo's consensus every 8 steps (pull 0.5, push 0.05)", (_TRAIN,)),
+    "dppf_outer_32": MethodInfo("DPPF around DiLoCo's consensus every 32 steps (pull 0.5, push 0.05)", (_TRAIN,)),
 }
 
 # Names the benchmarks used before the registry, and the one that replaced each.

@@ -104,6 +104,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             eval_start = time.perf_counter()
             entry = {"step": step + 1, "time_s": eval_start - wall_start - eval_seconds, "bytes": setup.stats.bytes_sent,
+                     "bytes_between_nodes": setup.stats.bytes_sent_between_nodes,
                      "train_loss": loss.item(), **evaluate(model, task)}  # fmt: skip
             if setup.averager is not None:
                 # Workers differ between rounds: report the consensus and the mean worker.
@@ -121,6 +122,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "method": method,
         "strategy": config.strategy,
         "vote_zeros": config.vote_zeros,
+        "outer": [config.outer_lr, config.outer_momentum],
         "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
         "seed": config.seed,
@@ -189,7 +191,7 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
     """Every evaluation of every run as CSV rows, and test loss vs step / bytes / time as PNG
     (one line per method: the mean over seeds, with a ±1 std band when there are several)."""
     if csv_path:
-        fields = ["method", "seed", "step", "time_s", "bytes", "train_loss", "test_loss", "test_acc", "worker_acc"]
+        fields = ["method", "seed", "step", "time_s", "bytes", "bytes_between_nodes", "train_loss", "test_loss", "test_acc", "worker_acc"]
         with open(csv_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
@@ -371,6 +373,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
                         help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank, "
                         f"{', '.join(m for m in FSDP_METHODS if m != 'adamw')} over each node, voting between nodes)")
+    parser.add_argument("--outer-lr", type=float, default=TrainConfig.outer_lr,
+                        help="the DiLoCo methods' outer learning rate (default: %(default)s, DiLoCo's)")
+    parser.add_argument("--outer-momentum", type=float, default=TrainConfig.outer_momentum,
+                        help="the DiLoCo methods' outer Nesterov momentum (default: %(default)s, DiLoCo's)")
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
     parser.add_argument("--lr-scale", type=float, default=1.0,
@@ -387,6 +393,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--task cifar10 needs --data-dir (the folder holding torchvision's cifar-10-batches-py)")
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         parser.error(f"--clip-grad-norm {args.clip_grad_norm} must be > 0")
+    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
+        parser.error(f"--outer-lr {args.outer_lr} must be > 0 and --outer-momentum {args.outer_momentum} in [0, 1)")
     if not args.lr_scale > 0:
         parser.error(f"--lr-scale {args.lr_scale} must be > 0")
     if args.size != "small" and args.task != "charlm":
@@ -406,6 +414,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
         lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy, vote_zeros=args.vote_zeros,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
     )  # fmt: skip
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():

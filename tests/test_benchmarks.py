@@ -189,6 +189,21 @@ def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
         train.main(argv + ["--strategy", "fsdp", "--methods", "dppf_8"])
 
 
+def test_train_rounds_are_node_aware_and_one_bit_rounds_send_a_32nd_between_nodes():
+    from signmuon.benchmarks import train
+
+    argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "48", "--eval-every", "48", "--no-progress"]
+    fp32, vote, plain = train.main(argv + ["--methods", "diloco_8", "diloco_vote_8", "local_adamw_8"])
+    # DiLoCo's rounds come after steps 8, 16, ..., 48; torch's averaging after steps 1, 9, ..., 41.
+    assert [r["rounds"] for r in (fp32, vote, plain)] == [6, 6, 6]
+    assert all(r["test_acc"] > 0.6 for r in (fp32, vote, plain)), "all learn (chance: 0.1)"
+    # Between nodes each rank carries half the parameters; one bit instead of 32 (plus a float per tensor).
+    assert fp32["bytes_between_nodes_per_rank"] > 0
+    assert vote["bytes_between_nodes_per_rank"] < fp32["bytes_between_nodes_per_rank"] / 20
+    with pytest.raises(SystemExit):
+        train.main(argv + ["--methods", "diloco_8", "--outer-momentum", "1.0"])
+
+
 def test_ddp_step_powersgd_runs_on_gloo_with_several_buckets_and_counts_p_and_q():
     # 9.9M parameters make two DDP buckets: on 4 ranks torch's hook alone aborts (SIGABRT, a
     # collective mismatch) in every run tried.
