@@ -20,6 +20,12 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
         "signmuon_fan_in": 1.0,  # 2.052 ± 0.039 (x0.5 2.139, x2 2.158)
         "signum_mv": 4.0,  # 2.035 ± 0.020 (x2 2.060, x8 2.122)
         "signsgd_mv": 8.0,  # 2.246 ± 0.031 (x4 2.289, x16 2.294)
+        # Not swept on their own: the factor of the same optimizer above (SignMuon's; AdamW's for
+        # the rounds' inner AdamW). The rounds' outer step was chosen on seed 0 (--outer-lr,
+        # --outer-momentum; benchmarks/results/2026-12-03-local-steps.md).
+        "signmuon_node": 4.0,
+        **{f"{name}_{period}": 4.0 for name in ("local_adamw", "diloco", "diloco_vote", "diloco_ef", "dppf_outer")
+           for period in (8, 32)},
     },
     "digits": {
         "adamw": 2.0,  # 0.057 ± 0.012, accuracy 0.982 ± 0.011

@@ -48,8 +48,9 @@ class OuterStep:
     The last two send one bit per entry."""
 
     vote: VoteConfig | None = None
-    """Settings of the ``"sign_vote"`` combination (default ``VoteConfig()``); its ``nonfinite``
-    and ``kernels`` also apply to ``"scaled_sign"``."""
+    """Settings of the ``"sign_vote"`` combination; its ``nonfinite`` and ``kernels`` also apply
+    to ``"scaled_sign"``. Default ``VoteConfig(tie="exact")``: where the workers split evenly the
+    consensus stays (a coin would move it along no direction they share)."""
 
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
@@ -123,7 +124,7 @@ def combine_pseudo_gradients(
     by the workers' mean of its mean magnitude. ``errors`` are the (worker, server) feedback
     buffers of ``"scaled_sign"``; ``step`` keys the vote's tie coins.
     """
-    vote = VoteConfig.of(vote)
+    vote = vote if vote is not None else VoteConfig(tie="exact")
     if how == "mean":
         return mean_all_reduce(delta, group, stats)
     if how == "scaled_sign":
