@@ -7,7 +7,8 @@
 # throughput (step time) of SignMuon against AdamW, small and medium (the 14M GPT: how long a
 # step's compute takes on a GPU, against the 0.69 s its fp32 all-reduce needs at 1 Gbit/s on 4
 # ranks, the ratio the CPU time-to-target runs cannot show); and the FSDP2 vote on CUDA
-# (register_fsdp_vote, one rank, bf16 mixed precision, Triton kernels).
+# (register_fsdp_vote, one rank, bf16 mixed precision, Triton kernels); one DiLoCo round per
+# pseudo-gradient rule (fp32 mean, sign vote, error-feedback scaled signs) on CUDA against CPU.
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +97,31 @@ for step in range(12):
 dtypes = {v.dtype for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
 assert dtypes == {torch.float32}, dtypes
 print(f"fsdp signmuon on cuda: median step {1e3 * sorted(times[2:])[5]:.1f} ms, state {dtypes}")
+dist.destroy_process_group()
+PY
+  echo '```'
+  echo
+  echo "## Rounds on CUDA: one DiLoCo round per pseudo-gradient rule, CUDA against CPU, one rank"
+  echo '```'
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 RANK=0 WORLD_SIZE=1 timeout 120 "$python" - <<'PY'
+import torch, torch.distributed as dist
+from signmuon.optim import DPPFAverager, OuterStep
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+for rule in ("mean", "sign_vote", "scaled_sign"):
+    results = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10)).to(device)
+        averager = DPPFAverager(period=1, pull=1.0, outer=OuterStep.diloco(pseudo_gradient=rule), module=net)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.grad = torch.zeros_like(p)
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(device))
+        averager.average_parameters(net.parameters())
+        results.append(torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    print(f"round {rule}: CUDA equals CPU (max diff {float((results[1] - results[0]).abs().max()):.2e})")
 dist.destroy_process_group()
 PY
   echo '```'

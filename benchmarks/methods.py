@@ -374,6 +374,8 @@ METHODS: dict[str, Method] = {
     "diloco_32": _rounds(32),
     "diloco_vote_8": _rounds(8, pseudo_gradient="sign_vote"),
     "diloco_vote_32": _rounds(32, pseudo_gradient="sign_vote"),
+    "diloco_vote_ef_8": _rounds(8, pseudo_gradient="sign_vote_ef"),
+    "diloco_vote_ef_32": _rounds(32, pseudo_gradient="sign_vote_ef"),
     "diloco_ef_8": _rounds(8, pseudo_gradient="scaled_sign"),
     "diloco_ef_32": _rounds(32, pseudo_gradient="scaled_sign"),
     "dppf_outer_8": _rounds(8, pull=0.5, push=0.05),

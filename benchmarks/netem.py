@@ -26,6 +26,7 @@ loss per method and rate and ``--plot`` draws test loss against wall time, one p
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -45,6 +46,9 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
+_NETWORKS = itertools.count()
+
+
 class EmulatedNetwork:
     """Namespaces ``<prefix>r<i>`` joined by bridge ``<prefix>br``; a context manager that cleans up."""
 
@@ -57,7 +61,9 @@ class EmulatedNetwork:
             if shutil.which(tool) is None:
                 raise RuntimeError(f"the emulated network needs iproute2's `{tool}` (apt-get install iproute2)")
         self.world_size, self.rate, self.delay = world_size, rate, delay
-        self.prefix = f"sm{os.getpid() % 100000}"
+        # Unique per network: the kernel deletes a namespace's veth pair lazily, so the next rate's
+        # network must not reuse the names.
+        self.prefix = f"sm{os.getpid() % 100000}{next(_NETWORKS)}"
         self.subnet = random.randrange(1, 250) if subnet is None else subnet
         self.ranks_per_node = ranks_per_node
         # One namespace per node: its ranks talk over loopback, nodes over the shaped veth links.
@@ -107,7 +113,8 @@ class EmulatedNetwork:
 
     def close(self) -> None:
         """Delete every namespace (which deletes its veth and the peer) and the bridge."""
-        for ns in self.namespaces:
+        for rank, ns in enumerate(self.namespaces):
+            _run("ip", "link", "del", f"{self.prefix}h{rank}", check=False)
             _run("ip", "netns", "del", ns, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
 

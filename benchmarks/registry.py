@@ -77,6 +77,8 @@ METHODS: dict[str, MethodInfo] = {
     "diloco_32": MethodInfo("DiLoCo, outer step every 32 steps (fp32 rounds)", (_TRAIN,)),
     "diloco_vote_8": MethodInfo("DiLoCo every 8 steps, pseudo-gradient as a sign vote (one bit)", (_TRAIN,)),
     "diloco_vote_32": MethodInfo("DiLoCo every 32 steps, pseudo-gradient as a sign vote (one bit)", (_TRAIN,)),
+    "diloco_vote_ef_8": MethodInfo("DiLoCo every 8 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
+    "diloco_vote_ef_32": MethodInfo("DiLoCo every 32 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
     "diloco_ef_8": MethodInfo("DiLoCo every 8 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
     "diloco_ef_32": MethodInfo("DiLoCo every 32 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
     "dppf_outer_8": MethodInfo("DPPF around DiLoCo's consensus every 8 steps (pull 0.5, push 0.05)", (_TRAIN,)),

@@ -24,7 +24,7 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
         # the rounds' inner AdamW). The rounds' outer step was chosen on seed 0 (--outer-lr,
         # --outer-momentum; benchmarks/results/2026-12-03-local-steps.md).
         "signmuon_node": 4.0,
-        **{f"{name}_{period}": 4.0 for name in ("local_adamw", "diloco", "diloco_vote", "diloco_ef", "dppf_outer")
+        **{f"{name}_{period}": 4.0 for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef", "dppf_outer")
            for period in (8, 32)},
     },
     "digits": {

@@ -29,6 +29,7 @@ Typical use, with torch's post-local-SGD machinery unchanged (see :func:`local_s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -199,7 +200,7 @@ class DPPFAverager(ModelAverager):
         settings = {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
                                                             "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
         nodes = None if self.layout is None else (self.layout.nodes, self.layout.ranks_per_node)
-        outer = None if self.outer is None else (self.outer.pseudo_gradient, repr(self.outer.optimizer), repr(self.outer.vote))
+        outer = None if self.outer is None else (self.outer.pseudo_gradient, _describe(self.outer.optimizer), repr(self.outer.vote))
         return {**settings, "outer": outer, "layout": nodes}
 
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -358,6 +359,14 @@ def round_flags(
     used = gathered[:, :-1, 0].any(dim=0)  # [P]
     bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
     return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist()
+
+
+def _describe(factory: Any) -> str:
+    """The outer optimizer's factory by name and arguments, alike on every rank (a repr would
+    carry a lambda's address)."""
+    if isinstance(factory, functools.partial):
+        return f"{_describe(factory.func)}{factory.args}{sorted(factory.keywords.items())}"
+    return f"{getattr(factory, '__module__', '')}.{getattr(factory, '__qualname__', type(factory).__name__)}"
 
 
 def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:

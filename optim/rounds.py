@@ -29,7 +29,7 @@ from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_
 
 __all__ = ["OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "combine_pseudo_gradients"]
 
-PSEUDO_GRADIENTS = ("mean", "sign_vote", "scaled_sign")
+PSEUDO_GRADIENTS = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,13 +44,17 @@ class OuterStep:
     pseudo_gradient: str = "mean"
     """How the workers' pseudo-gradients combine: ``"mean"`` (fp32 all-reduce, DiLoCo's),
     ``"sign_vote"`` (the majority vote of their signs, each tensor scaled by the workers' mean
-    magnitude of its entries) or ``"scaled_sign"`` (1-bit Adam's error-feedback scaled signs).
-    The last two send one bit per entry."""
+    magnitude of its entries), ``"sign_vote_ef"`` (the same, each worker first adding what its
+    scaled signs left out in earlier rounds: error feedback) or ``"scaled_sign"`` (1-bit Adam's
+    error-feedback scaled signs, one scale per rank's chunk). All but the first send one bit
+    per entry."""
 
     vote: VoteConfig | None = None
     """Settings of the ``"sign_vote"`` combination; its ``nonfinite`` and ``kernels`` also apply
     to ``"scaled_sign"``. Default ``VoteConfig(tie="exact")``: where the workers split evenly the
-    consensus stays (a coin would move it along no direction they share)."""
+    consensus stays (a coin would move it along no direction they share). Free for two workers
+    (each computes the vote); from three on, the entries left at zero travel back, up to a
+    second bit per entry: ``tie="fast"`` keeps one bit."""
 
     def __post_init__(self) -> None:
         if not callable(self.optimizer):
@@ -114,15 +118,15 @@ def combine_pseudo_gradients(
     stats: CommStats | None,
     *,
     segments: list[tuple[int, int]],
-    errors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    errors: tuple[torch.Tensor, ...] = (),
     vote: VoteConfig | None = None,
     step: int = 0,
 ) -> torch.Tensor:
     """Combine the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group``.
 
     ``segments`` are the (start, stop) of each tensor in ``delta``: ``"sign_vote"`` scales each
-    by the workers' mean of its mean magnitude. ``errors`` are the (worker, server) feedback
-    buffers of ``"scaled_sign"``; ``step`` keys the vote's tie coins.
+    by the workers' mean of its mean magnitude. ``errors`` are the feedback buffers: (worker,
+    server) for ``"scaled_sign"``, (worker,) for ``"sign_vote_ef"``; ``step`` keys the tie coins.
     """
     vote = vote if vote is not None else VoteConfig(tie="exact")
     if how == "mean":
@@ -131,8 +135,13 @@ def combine_pseudo_gradients(
         return scaled_sign_allreduce(
             delta, *errors, group, kernels=vote.kernels, nonfinite=vote.nonfinite, stats=stats, label="a round's pseudo-gradient"
         )
+    if how == "sign_vote_ef":
+        delta.add_(errors[0])
     pieces = [delta[a:b] for a, b in segments]
     scales = torch.stack([p.abs().mean() if p.numel() else delta.new_zeros(()) for p in pieces])
+    if how == "sign_vote_ef":  # what this worker's own scaled signs leave out
+        for (a, b), piece, scale in zip(segments, pieces, scales):
+            torch.sub(piece, piece.sign() * scale, out=errors[0][a:b])
     mean_all_reduce(scales, group, stats)
     majority_vote(delta, group, vote, step=step, out=delta, stats=stats, label="a round's pseudo-gradient")
     for piece, scale in zip(pieces, scales):
@@ -161,7 +170,9 @@ class Consensus:
         self.optimizer = outer.optimizer(self.tensors)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ValueError(f"OuterStep.optimizer built a {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
-        self.errors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.errors: list[tuple[torch.Tensor, ...]] = []
+        if outer.pseudo_gradient == "sign_vote_ef":
+            self.errors = [(torch.zeros_like(c),) for c in self.tensors]
         if outer.pseudo_gradient == "scaled_sign":
             ranks = dist.get_world_size(_exchange_group(group, layout)) if dist.is_initialized() else 1
             for c in self.tensors:
@@ -201,7 +212,7 @@ class Consensus:
             delta = c - flat[lo:hi]
             c.grad = combine_pseudo_gradients(
                 delta, self.outer.pseudo_gradient, group, stats, segments=_segments(self.sizes[i], lo, hi),
-                errors=self.errors[i] if self.errors else None, vote=self.outer.vote, step=self.rounds,
+                errors=self.errors[i] if self.errors else (), vote=self.outer.vote, step=self.rounds,
             )  # fmt: skip
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -216,7 +227,7 @@ class Consensus:
         return {
             "tensors": [c.detach().clone() for c in self.tensors],
             "optimizer": self.optimizer.state_dict(),
-            "errors": [(w.clone(), s.clone()) for w, s in self.errors],
+            "errors": [tuple(e.clone() for e in buffers) for buffers in self.errors],
             "rounds": self.rounds,
         }
 
@@ -231,9 +242,9 @@ class Consensus:
         for c, saved in zip(self.tensors, state["tensors"]):
             c.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
-        for (w, s), (saved_w, saved_s) in zip(self.errors, state["errors"]):
-            w.copy_(saved_w)
-            s.copy_(saved_s)
+        for buffers, saved in zip(self.errors, state["errors"]):
+            for e, saved_e in zip(buffers, saved):
+                e.copy_(saved_e)
         self.rounds = int(state["rounds"])
 
 

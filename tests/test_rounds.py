@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests.harness import capture, compressed_allreduce_reference, run_distributed, vote_reference
@@ -74,6 +73,13 @@ def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, pus
                 consensus.grad = sum(deltas) / workers
             elif combine == "sign_vote":
                 consensus.grad = _sign_vote_combine(deltas, sizes)
+            elif combine == "sign_vote_ef":
+                errors = errors or [torch.zeros_like(consensus) for _ in range(workers)]
+                fed = [d + e for d, e in zip(deltas, errors)]
+                for w, c in enumerate(fed):  # each worker keeps what its own scaled signs leave out
+                    pieces = c.split(sizes)
+                    errors[w] = torch.cat([p - p.sign() * p.abs().mean() for p in pieces])
+                consensus.grad = _sign_vote_combine(fed, sizes)
             else:
                 n = consensus.numel()
                 padded = -(-n // (8 * workers)) * 8 * workers
@@ -128,7 +134,7 @@ def test_outer_step_rounds_equal_the_reference(pull, push):
         assert torch.equal(results[0][0][5], results[1][0][5])
 
 
-@pytest.mark.parametrize("combine", ["sign_vote", "scaled_sign"])
+@pytest.mark.parametrize("combine", ["sign_vote", "sign_vote_ef", "scaled_sign"])
 def test_one_bit_rounds_equal_the_reference(combine):
     workers = 3
     results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS)
@@ -138,10 +144,10 @@ def test_one_bit_rounds_equal_the_reference(combine):
             torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
 
 
-def _bytes_worker(rank, world_size, combine):
+def _bytes_worker(rank, world_size, combine, tie):
     torch.manual_seed(0)
     model = nn.Linear(512, 512)
-    outer = OuterStep.diloco(pseudo_gradient=combine)
+    outer = OuterStep(optimizer=functools.partial(torch.optim.SGD, lr=1.0), pseudo_gradient=combine, vote=VoteConfig(tie=tie))
     averager = DPPFAverager(period=1, outer=outer, module=model, track_distances=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -157,11 +163,18 @@ def _bytes_worker(rank, world_size, combine):
     return averager.stats.bytes_sent - before
 
 
-def test_one_bit_rounds_send_a_32nd_of_the_fp32_round():
-    fp32, vote, scaled = (run_distributed(_bytes_worker, 4, c)[0] for c in ("mean", "sign_vote", "scaled_sign"))
-    assert fp32 >= 2 * 3 / 4 * (512 * 513) * 4  # the ring's bytes of the fp32 pseudo-gradient
-    for one_bit in (vote, scaled):
+@pytest.mark.parametrize("workers, tie", [(4, "fast"), (2, "exact")])
+def test_one_bit_rounds_send_a_32nd_of_the_fp32_round(workers, tie):
+    combines = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
+    fp32, *one_bits = (run_distributed(_bytes_worker, workers, c, tie)[0] for c in combines)
+    assert fp32 >= 2 * (workers - 1) / workers * (512 * 513) * 4  # the ring's bytes of the fp32 pseudo-gradient
+    for one_bit in one_bits:
         assert fp32 / 40 < one_bit < fp32 / 25, (fp32, one_bit)
+
+
+def test_exact_ties_among_more_than_two_workers_cost_at_most_a_second_bit():
+    fp32, exact = (run_distributed(_bytes_worker, 4, c, "exact")[0] for c in ("mean", "sign_vote"))
+    assert fp32 / 40 < exact < fp32 / 12, (fp32, exact)
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -189,7 +202,7 @@ def _resume_worker(rank, world_size, combine, path):
     torch.save({"model": first[0].state_dict(), "inner": first[1].state_dict(), "averager": first[2].state_dict()},
                f"{path}.{rank}")  # fmt: skip
     resumed = build()
-    saved = torch.load(f"{path}.{rank}", weights_only=False)
+    saved = torch.load(f"{path}.{rank}", weights_only=True)
     resumed[0].load_state_dict(saved["model"])
     resumed[1].load_state_dict(saved["inner"])
     resumed[2].load_state_dict(saved["averager"])
@@ -197,7 +210,7 @@ def _resume_worker(rank, world_size, combine, path):
     return _flat(straight[0]), _flat(resumed[0]), straight[2].consensus.state_dict(), resumed[2].consensus.state_dict()
 
 
-@pytest.mark.parametrize("combine", ["mean", "scaled_sign"])
+@pytest.mark.parametrize("combine", ["mean", "sign_vote_ef", "scaled_sign"])
 def test_resume_is_bit_identical(combine):
     with tempfile.TemporaryDirectory() as tmp:
         results = run_distributed(_resume_worker, 2, combine, os.path.join(tmp, "ckpt"))
@@ -207,7 +220,8 @@ def test_resume_is_bit_identical(combine):
         momentum = [s["momentum_buffer"] for s in consensus_a["optimizer"]["state"].values()]
         assert momentum and all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
                                 for a, b in zip(consensus_a["optimizer"]["state"].values(), consensus_b["optimizer"]["state"].values()))  # fmt: skip
-        if combine == "scaled_sign":
+        if combine != "mean":
+            assert consensus_a["errors"] and any(bool(e.any()) for buffers in consensus_a["errors"] for e in buffers)
             assert all(torch.equal(a, b) for pa, pb in zip(consensus_a["errors"], consensus_b["errors"]) for a, b in zip(pa, pb))
 
 
@@ -304,6 +318,21 @@ def _unequal_start_worker(rank, world_size):
 def test_an_unequal_start_raises_on_every_rank():
     for error in run_distributed(_unequal_start_worker, 2):
         assert error is not None and "build DPPFAverager after DDP" in error and VoteMismatchError.__name__ in error
+
+
+def _outer_settings_worker(rank, world_size):
+    model = _model()
+    same = DPPFAverager(period=1, outer=OuterStep(optimizer=lambda params: torch.optim.SGD(params, lr=1.0)), module=model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    same.average_parameters(model.parameters())  # a lambda is described alike on every rank
+    differing = DPPFAverager(period=1, outer=OuterStep.diloco(lr=0.7 if rank == 0 else 0.5), module=model)
+    return capture(lambda: differing.average_parameters(model.parameters()))
+
+
+def test_ranks_with_different_outer_steps_raise_on_every_rank():
+    for error in run_distributed(_outer_settings_worker, 2):
+        assert error is not None and "SettingsMismatchError" in error and "outer" in error
 
 
 def _one_node_worker(rank, world_size):
