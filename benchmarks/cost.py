@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 __all__ = ["Cluster", "Workload", "PLAN_METHODS", "crossover", "predict", "parse_rate"]
 
 PLAN_METHODS = ("allreduce", "bf16_allreduce", "allreduce_node", "signsgd_mv", "signsgd_mv_node", "signmuon",
-                "signmuon_node", "powersgd_r4")  # fmt: skip
+                "signmuon_node", "powersgd_r4", "diloco_node", "diloco_vote_node")  # fmt: skip
 
 
 def parse_rate(text: str) -> float:
@@ -97,6 +97,10 @@ class Workload:
     """Newton–Schulz's matrix-multiply throughput (float32)."""
     zero_bits: float = 0.0
     """Extra bits per entry the vote's zeros cost (0: dense; up to 1 with abstention on ReLU nets)."""
+    period: int = 32
+    """H, local steps per round of the rounds methods (``diloco_node``, ``diloco_vote_node``): their
+    round's cost is spread over H steps. How many more steps rounds need to reach a loss is not
+    modelled (measure it: ``train``)."""
     extra: dict = field(default_factory=dict)
     """Free-form notes carried to the report."""
 
@@ -150,6 +154,12 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
         extra_s = 4 * n / L / workload.kernel_bytes_per_s
         if method == "signmuon_node":
             extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
+    elif method in ("diloco_node", "diloco_vote_node"):  # the node's all-reduce every step, a round every H
+        H = workload.period
+        per_round = n / 8 if method == "diloco_vote_node" else 4 * n  # what the node's rails carry in all
+        between, rounds = 2 * (N - 1) / N * per_round / H, 2 * (N - 1) / H
+        inside = _ring(4 * n, L) + (L - 1) / L * 4 * n / H  # the gradient, and the round's gather of slices
+        rounds_in = 2 * (L - 1) + (L - 1) / H
     else:
         raise ValueError(f"plan has no model of {method!r}; it models {PLAN_METHODS}")
     comm_s = (

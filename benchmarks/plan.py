@@ -41,7 +41,8 @@ ASSUMPTIONS = (
     "(10 us per round between nodes), 8192 tokens per GPU per step, forward+backward at 400 TFLOP/s "
     "(6·n·tokens flops), the vote's kernels at 1 TB/s of fp32 input, Newton–Schulz at 200 TFLOP/s, no "
     "overlap of communication with backward, one bit per entry (dense); SignMuon's Newton–Schulz split over "
-    "each node's 8 GPUs"
+    "each node's 8 GPUs; one-bit rounds: the node's gradient all-reduce every step and a round every 32 steps, "
+    "its cost spread over them (the time per step only: how many more steps rounds need is not modelled)"
 )
 
 
@@ -87,12 +88,13 @@ def projection(plot: str | None = None) -> list[dict]:
             for nodes in PROJECTION["nodes"]:
                 cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
                 base = predict("allreduce", cluster, workload)["step_s"]
-                for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node"):
+                for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"):
                     step = predict(method, cluster, workload)["step_s"]
                     rows.append({"model": name, "link_gbit": gbit, "nodes": nodes, "method": method,
                                  "step_s": step, "speedup": base / step, "allreduce_step_s": base})  # fmt: skip
     print(ASSUMPTIONS)
-    for method, label in (("signsgd_mv_node", "signSGD-MV / Signum-MV"), ("signmuon_node", "SignMuon")):
+    for method, label in (("signsgd_mv_node", "signSGD-MV / Signum-MV"), ("signmuon_node", "SignMuon"),
+                          ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only")):  # fmt: skip
         print(f"{'model':>9} {'link':>9} " + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
               + f"   (nodes; {label}, node-aware, step speed-up over the fp32 ring all-reduce)")  # fmt: skip
         for name in PROJECTION["models"]:

@@ -528,6 +528,10 @@ def test_plan_bytes_are_the_collectives_formulas():
     per_rail = vote_bytes_per_rank(n // 2, 2, agree_sizes=False)
     assert node_vote["between_bytes_per_node"] == pytest.approx(2 * per_rail, rel=1e-3)  # the node's two rails
     assert predict("signsgd_mv", flat, Workload(n, 0.01, zero_bits=1.0))["between_bytes_per_node"] == pytest.approx(2 * dense)
+    # Rounds every H steps: the fp32 round's ring over the nodes (each rail a 1/L slice), spread over H.
+    rounds = predict("diloco_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"]
+    assert rounds == pytest.approx(2 * ring_bytes(4 * n // 2, 2) / 8)
+    assert predict("diloco_vote_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"] == pytest.approx(rounds / 32)
 
 
 def test_plan_crossover_is_where_the_step_times_meet():
@@ -559,7 +563,7 @@ def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
     params, matrices = plan.model_shapes("gpt-1.3b")
     assert 1.25e9 < params < 1.4e9 and len(matrices) == 4 * 24
     projection = plan.main(["--projection", "--plot", str(tmp_path / "p.png")])
-    assert len(projection) == 4 * 3 * 5 * 3 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(projection) == 4 * 3 * 5 * 4 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     assert "projection, not a measurement" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         plan.main(["--nodes", "2"])  # neither --model nor --params
