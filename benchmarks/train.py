@@ -30,7 +30,7 @@ from signmuon.benchmarks.cli import check_device, command_parser, parse_methods,
 from signmuon.benchmarks.curves import seed_summary, time_to_target
 from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_group, under_torchrun
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
-from signmuon.benchmarks.tuned import SWEEPS, tuned_lr_scale
+from signmuon.benchmarks.tuned import SWEEPS, borrowed_lr_scale, tuned_lr_scale
 from signmuon.benchmarks.methods import FSDP_METHODS, METHODS, STRATEGIES, Setup, TrainConfig
 from signmuon.comm_hooks.kernels import warm_up
 from signmuon.comm_hooks.vote import ZERO_RULES
@@ -67,8 +67,10 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
-    tuned = tuned_lr_scale(task.name if config.size == "small" else "", method) if config.tuned_lr else None
-    lr_scale = config.lr_scale * (tuned if tuned is not None else 1.0)
+    swept_task = task.name if config.size == "small" else ""
+    tuned = tuned_lr_scale(swept_task, method) if config.tuned_lr else None
+    borrowed = borrowed_lr_scale(swept_task, method) if config.tuned_lr and tuned is None else None
+    lr_scale = config.lr_scale * (tuned or borrowed or 1.0)
     methods = FSDP_METHODS if config.strategy == "fsdp" else METHODS
     setup = methods[method](task.make_model().to(device), dataclasses.replace(config, lr_scale=lr_scale))
     model, opt = setup.model, setup.optimizer
@@ -128,6 +130,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "seed": config.seed,
         "lr_scale": lr_scale,
         "lr_tuned": tuned is not None,
+        "lr_borrowed": borrowed is not None,
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
         "bytes_between_nodes_per_rank": setup.stats.bytes_sent_between_nodes,
@@ -281,8 +284,9 @@ def _target_cell(hit: tuple[float, int] | None) -> tuple[str, str]:
 
 
 def _lr_cell(result: dict) -> str:
-    """The factor on the method's default learning rate; '*' marks one the sweep tuned."""
-    return f"{result.get('lr_scale', 1.0):g}" + ("*" if result.get("lr_tuned") else "")
+    """The factor; '*' marks one the sweep tuned, '~' one it tuned for the same optimizer."""
+    mark = "*" if result.get("lr_tuned") else "~" if result.get("lr_borrowed") else ""
+    return f"{result.get('lr_scale', 1.0):g}{mark}"
 
 
 def print_table(results: list[dict], target: float | None = None) -> None:
@@ -436,7 +440,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print_summary(summaries, results, target)
         print_time_split(results)
         print("lr x: factor on the method's default learning rate; * = tuned by the learning-rate sweep "
-              f"(benchmarks/results/{SWEEPS.get(results[0]['task'].split('-')[0], 'none')})")  # fmt: skip
+              f"(benchmarks/results/{SWEEPS.get(results[0]['task'].split('-')[0], 'none')}); ~ = its factor for the "
+              "same optimizer")  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),

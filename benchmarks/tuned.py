@@ -9,7 +9,7 @@ and its table row says so.
 
 from __future__ import annotations
 
-__all__ = ["SWEEPS", "TUNED_LR_SCALES", "tuned_lr_scale"]
+__all__ = ["SAME_OPTIMIZER", "SWEEPS", "TUNED_LR_SCALES", "borrowed_lr_scale", "tuned_lr_scale"]
 
 # task -> method -> factor (charlm: the small GPT; other sizes are not swept)
 TUNED_LR_SCALES: dict[str, dict[str, float]] = {
@@ -20,12 +20,6 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
         "signmuon_fan_in": 1.0,  # 2.052 ± 0.039 (x0.5 2.139, x2 2.158)
         "signum_mv": 4.0,  # 2.035 ± 0.020 (x2 2.060, x8 2.122)
         "signsgd_mv": 8.0,  # 2.246 ± 0.031 (x4 2.289, x16 2.294)
-        # Not swept on their own: the factor of the same optimizer above (SignMuon's; AdamW's for
-        # the rounds' inner AdamW). The rounds' outer step was chosen on seed 0 (--outer-lr,
-        # --outer-momentum; benchmarks/results/2026-12-03-local-steps.md).
-        "signmuon_node": 4.0,
-        **{f"{name}_{period}": 4.0 for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef", "dppf_outer")
-           for period in (8, 32)},
     },
     "digits": {
         "adamw": 2.0,  # 0.057 ± 0.012, accuracy 0.982 ± 0.011
@@ -44,3 +38,18 @@ SWEEPS = {
 def tuned_lr_scale(task: str, method: str) -> float | None:
     """The sweep's factor for ``method`` on ``task``, or None where it was not swept."""
     return TUNED_LR_SCALES.get(task, {}).get(method)
+
+
+# Methods not swept on their own that run a swept method's optimizer at the same default learning
+# rate: they take its factor (marked '~' in train's tables, not '*'). The rounds' inner optimizer
+# is AdamW's; their outer step was chosen on seed 0 (benchmarks/results/2026-12-03-local-steps.md).
+SAME_OPTIMIZER: dict[str, str] = {
+    "signmuon_node": "signmuon",
+    **{f"{name}_{period}": "adamw" for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef",
+                                                 "dppf_outer") for period in (8, 32)},  # fmt: skip
+}
+
+
+def borrowed_lr_scale(task: str, method: str) -> float | None:
+    """The factor swept for the optimizer ``method`` shares (:data:`SAME_OPTIMIZER`), or None."""
+    return tuned_lr_scale(task, SAME_OPTIMIZER[method]) if method in SAME_OPTIMIZER else None

@@ -152,7 +152,7 @@ def combine_pseudo_gradients(
 class Consensus:
     """State of rounds with an outer step: the consensus x_prev of each flat parameter group
     (this rank's rail slice of it in node-aware rounds), the outer optimizer over it, and the
-    error-feedback buffers of ``"scaled_sign"``."""
+    error-feedback buffers of ``"sign_vote_ef"`` and ``"scaled_sign"``."""
 
     def __init__(
         self,
@@ -238,6 +238,12 @@ class Consensus:
             raise ValueError(
                 f"the checkpoint's consensus has slices of {shapes} entries, this averager {[tuple(c.shape) for c in self.tensors]}: "
                 "another model, or another node layout"
+            )
+        saved_errors = [[tuple(e.shape) for e in buffers] for buffers in state["errors"]]
+        if saved_errors != [[tuple(e.shape) for e in buffers] for buffers in self.errors]:
+            raise ValueError(
+                "the checkpoint's error-feedback buffers do not fit this averager's: it was saved with another "
+                f"pseudo_gradient rule than {self.outer.pseudo_gradient!r}, or another node layout"
             )
         for c, saved in zip(self.tensors, state["tensors"]):
             c.copy_(saved)

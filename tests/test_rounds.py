@@ -288,9 +288,11 @@ def test_node_aware_rounds_equal_the_node_level_reference():
 def _bad_outer_worker(rank, world_size):
     model = _model()
     averager = DPPFAverager(period=2, outer=OuterStep.diloco(), module=model)
+    other_rule = DPPFAverager(period=2, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model)
     return (
         capture(lambda: DPPFAverager(period=2, outer=OuterStep(optimizer=lambda params: params), module=model)),
         capture(lambda: averager.average_parameters(list(model.parameters())[:2])),
+        capture(lambda: other_rule.load_state_dict(averager.state_dict())),
     )
 
 
@@ -303,9 +305,10 @@ def test_bad_outer_settings():
         DPPFAverager(period=2, outer=OuterStep.diloco())
     with pytest.raises(ValueError, match="OuterStep"):
         DPPFAverager(period=2, outer=torch.optim.SGD, module=_model())
-    not_an_optimizer, other_params = run_distributed(_bad_outer_worker, 1)[0]
+    not_an_optimizer, other_params, other_rule = run_distributed(_bad_outer_worker, 1)[0]
     assert "not a torch.optim.Optimizer" in not_an_optimizer
     assert "same parameters" in other_params
+    assert "another pseudo_gradient rule than 'scaled_sign'" in other_rule
 
 
 def _unequal_start_worker(rank, world_size):
