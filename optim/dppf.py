@@ -186,10 +186,11 @@ class DPPFAverager(ModelAverager):
             check_same_settings(self._settings(), self.process_group, what="DPPFAverager settings")
             self._settings_checked = True
         params = _all_params(params)
-        if self.consensus is not None:
-            self.consensus.check_groups(_by_dtype_and_device(params))
+        if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
+            groups = _by_dtype_and_device(params)
+            self.consensus.check_groups(groups)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
-                self.consensus.reset([flatten(tensors) for tensors in _by_dtype_and_device(params)])
+                self.consensus.reset([flatten(tensors) for tensors in groups])
         if self.is_round():
             agreed = self._agreed_params(params)
             if agreed is not None:
@@ -261,18 +262,20 @@ class DPPFAverager(ModelAverager):
     @torch.no_grad()
     def consensus_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with every floating-point tensor replaced by its mean over the
-        workers (x_bar): the model to evaluate or save. A collective: call it on every rank.
-        The workers' own parameters are left untouched, and ``stats`` does not count this
-        (evaluation traffic, not training)."""
+        workers (x_bar), and with an outer step the parameters by the consensus: the model to
+        evaluate or save. A collective: call it on every rank. The workers' own parameters are
+        left untouched, and ``stats`` does not count this (evaluation traffic, not training)."""
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        floats = [v for v in state.values() if v.is_floating_point()]
-        for tensors in _by_dtype_and_device(floats):
-            unflatten_into(mean_all_reduce(flatten(tensors), self.process_group), tensors)
-        if self.consensus is not None:  # with an outer step the model is the consensus
+        from_consensus = set()
+        if self.consensus is not None:
             names = {p: name for name, p in module.named_parameters()}
             params = [p for p in module.parameters() if p.requires_grad]
             for tensors, whole in zip(_by_dtype_and_device(params), self.consensus.whole()):
                 unflatten_into(whole, [state[names[p]] for p in tensors])
+                from_consensus.update(names[p] for p in tensors)
+        floats = [v for k, v in state.items() if v.is_floating_point() and k not in from_consensus]
+        for tensors in _by_dtype_and_device(floats):
+            unflatten_into(mean_all_reduce(flatten(tensors), self.process_group), tensors)
         return state
 
     # -- checkpointing ---------------------------------------------------------------------

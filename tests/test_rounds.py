@@ -130,8 +130,10 @@ def test_outer_step_rounds_equal_the_reference(pull, push):
         assert rounds == STEPS // H
         for step, got in enumerate(history):
             torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
-    if pull == 1.0:  # right after the last round (step 6 of 0..6) every worker is the consensus
+    if pull == 1.0:  # right after the last round (after step 5 of 0..6) every worker is the consensus
         assert torch.equal(results[0][0][5], results[1][0][5])
+        for history, _, _, consensus in results:  # and the model to evaluate is that consensus
+            assert torch.equal(consensus, history[5])
 
 
 @pytest.mark.parametrize("combine", ["sign_vote", "sign_vote_ef", "scaled_sign"])
