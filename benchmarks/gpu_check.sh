@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a single NVIDIA GPU (under 11 minutes):
-# the Triton kernels bit for bit against the references on CUDA tensors, kernel throughput
-# vs memcpy (Triton and the torch fallback; pack/unpack GB/s against HBM), a vote through the
+# the Triton kernels bit for bit against the references on CUDA tensors (Signum's fused
+# momentum step and pack too), kernel throughput vs memcpy (Triton and the torch fallback;
+# pack/unpack GB/s against HBM; Signum's fused pass and its two-pass form against pack), a vote through the
 # collective on CUDA, Newton–Schulz: signs flipped against float64 and time per call in float32
 # (SignMuon's default) and bfloat16, per size and momentum rank, and single-GPU charlm
 # throughput (step time) of SignMuon against AdamW, small and medium (the 14M GPT: how long a
@@ -45,9 +46,25 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         out = torch.empty(n, dtype=dtype, device="cuda")
         cuda.unpack(got[0], got[1], out)
         assert torch.equal(out.cpu(), torch.sign(x).to(dtype)), (dtype, n)
+for dtype, grad_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                          (torch.float16, torch.float16), (torch.float64, torch.float64)):
+    for n in (65, 100_003):
+        for weight, skip in ((0.1, False), (0.9, False), (0.1, True)):
+            m, g = torch.randn(n).to(dtype), (3 * torch.randn(n)).to(grad_dtype)
+            m[::7] = 0.0
+            words = words_for(n) + 1
+            ref_m = m.clone()
+            ref = reference.momentum_pack(ref_m, g, weight, torch.tensor(skip), words) if n < 5000 else None
+            if ref is None:  # large: torch's lerp_ on the CPU, then the Triton pack of it
+                ref_m = m.clone().lerp_(g.to(dtype), weight) if not skip else m.clone()
+            got_m = m.cuda()
+            got = cuda.momentum_pack(got_m, g.cuda(), weight, torch.tensor(skip, device="cuda"), words)
+            assert torch.equal(got_m.cpu(), ref_m), ("momentum", dtype, grad_dtype, n, weight, skip)
+            if ref is not None:
+                assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1]), (dtype, n, weight)
 x = torch.randn(1 << 20, device="cuda")
 assert torch.equal(majority_vote(x, config=VoteConfig()), torch.sign(x))
-print("triton kernels: bit-exact on CUDA for fp32/bf16/fp16/fp64; majority_vote on CUDA ok")
+print("triton kernels: bit-exact on CUDA for fp32/bf16/fp16/fp64 (pack, unpack, fused momentum_pack); majority_vote on CUDA ok")
 PY
   echo '```'
   echo

@@ -2,7 +2,11 @@
 
 The pipeline: pack the whole gradient (both planes, zero count and NaN/Inf check in one read),
 draw the tie-break coins of this rank's 1/M shard, vote the shard from M packed vectors,
-unpack the whole result. Target: the pipeline within 1.5x one memcpy. Ratios are measured in
+unpack the whole result. Target: the pipeline within 1.5x one memcpy. Signum-MV's hook packs
+its momentum instead: the finiteness check of the gradient and ``momentum_pack`` (the momentum
+step and pack, one pass with Triton), as a ratio to signSGD's pack, beside the two-pass form
+(``lerp_``, then pack). It must read and write the momentum too: about 4x pack's bytes fused,
+10x in two passes on a GPU (where the finiteness select adds passes). Ratios are measured in
 one run, so a busy machine slows numerator and denominator alike. ``--kernels`` picks the
 family (numba on CPU and Triton on CUDA by default; ``torch`` for the fallback).
 
@@ -19,7 +23,8 @@ import torch
 from signmuon.benchmarks.cli import check_device, command_parser, positive_int, size
 from signmuon.comm_hooks import SignSegments
 from signmuon.comm_hooks.kernels import kernels_for, warm_up
-from signmuon.comm_hooks.kernels.layout import words_for
+from signmuon.comm_hooks.dist import nonfinite_flag
+from signmuon.comm_hooks.kernels.layout import momentum_then_pack, words_for
 
 
 
@@ -54,9 +59,16 @@ def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5,
     planes = planes.view(torch.int64)  # [M, S]: the shard this rank votes
     segments = SignSegments.whole(numel)
     tie = family.tie_words(segments, 7, 0, shard, device)
+    momentum = torch.zeros_like(x)
+
+    def signum(momentum_pack):
+        momentum_pack(momentum, x, 0.1, nonfinite_flag(x), shard * world_size)
+
     result = {
         "memcpy": _median_time(lambda: copy_out.copy_(x), repeats, device),
         "pack": _median_time(lambda: family.pack(x, shard * world_size), repeats, device),
+        "signum": _median_time(lambda: signum(family.momentum_pack), repeats, device),
+        "signum_two_pass": _median_time(lambda: signum(lambda *a: momentum_then_pack(family.pack, *a)), repeats, device),
         "ties": _median_time(lambda: family.tie_words(segments, 7, 0, shard, device), repeats, device),
         "vote": _median_time(lambda: family.vote(planes, None, None, tie), repeats, device),
         "unpack": _median_time(lambda: family.unpack(positive, None, unpack_out), repeats, device),
@@ -82,7 +94,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     family = kernels_for(device, args.kernels).NAME
     print(f"device={device} kernels={family} threads={args.threads} world_size={args.world_size} torch={torch.__version__}")
     print(f"{'entries':>10} {'memcpy ms':>10} {'pack/cp':>8} {'ties/cp':>8} {'vote/cp':>8} {'unpack/cp':>9} "
-          f"{'ternary/cp':>10} {'pipeline/cp':>11} {'pack GB/s':>10} {'unpack GB/s':>11}")  # fmt: skip
+          f"{'ternary/cp':>10} {'pipeline/cp':>11} {'pack GB/s':>10} {'unpack GB/s':>11} {'signum/pack':>11} "
+          f"{'2-pass/pack':>11}")  # fmt: skip
     for numel in args.sizes:
         t = measure(numel, args.world_size, device, args.repeats, args.kernels)
         ratio = {k: v / t["memcpy"] for k, v in t.items()}
@@ -93,7 +106,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(
             f"{numel:>10} {t['memcpy'] * 1e3:>10.2f} {ratio['pack']:>8.2f} {ratio['ties']:>8.2f} {ratio['vote']:>8.2f} "
             f"{ratio['unpack']:>9.2f} {ratio['unpack_ternary']:>10.2f} {ratio['pipeline']:>11.2f} "
-            f"{rows[-1]['pack_gbps']:>10.1f} {rows[-1]['unpack_gbps']:>11.1f}"
+            f"{rows[-1]['pack_gbps']:>10.1f} {rows[-1]['unpack_gbps']:>11.1f} {t['signum'] / t['pack']:>11.2f} "
+            f"{t['signum_two_pass'] / t['pack']:>11.2f}"
         )
     return rows
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
 from .kernels.layout import SignSegments
-from .vote import NodeLayout, NodeVoteWork, VoteConfig, VoteWork, majority_vote_async, node_layout
+from .vote import MomentumStep, NodeLayout, NodeVoteWork, VoteConfig, VoteWork, majority_vote_async, node_layout
 
 __all__ = ["VoteHookState", "VotePipeline", "bucket_segments", "watch_first_step"]
 
@@ -216,6 +216,7 @@ class VoteHookState:
         voted: list[bool] | None = None,
         input_nonfinite: torch.Tensor | None = None,
         prepare: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        momentum: MomentumStep | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
 
@@ -224,6 +225,8 @@ class VoteHookState:
         ``input_nonfinite`` (0-d bool) flags a non-finite gradient behind a finite ``voter``.
         Node-aware (``VoteConfig(hierarchical=True)``): ``voter`` is the gradient, averaged in
         the node first, and ``prepare`` maps that node mean to (what to vote, non-finite flag).
+        Flat: ``momentum`` (a :class:`MomentumStep`) makes ``voter`` a momentum buffer advanced
+        while it is packed.
         """
         self.pending.advance()
         layout = self.node_layout()
@@ -246,6 +249,7 @@ class VoteHookState:
                 label=label,
                 tag=tag,
                 input_nonfinite=input_nonfinite,
+                momentum=momentum,
                 agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
             )
         grad = bucket.buffer()

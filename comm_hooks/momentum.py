@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .dist import nonfinite_flag
+from .kernels.layout import lerp_unless
 
 __all__ = ["advance_momentum"]
 
@@ -19,9 +20,5 @@ def advance_momentum(buf: torch.Tensor, grad: torch.Tensor, beta: float) -> torc
     select on the device (no host synchronisation).
     """
     bad = nonfinite_flag(grad)
-    if buf.device.type == "cpu":
-        if not bool(bad):
-            buf.lerp_(grad.to(buf.dtype), 1.0 - beta)
-    else:
-        buf.copy_(torch.where(bad, buf, buf.lerp(grad.to(buf.dtype), 1.0 - beta)))
+    lerp_unless(buf, grad, 1.0 - beta, bad)
     return bad

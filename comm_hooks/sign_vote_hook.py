@@ -39,7 +39,8 @@ import torch.distributed as dist
 from .allreduce import allreduce_mean
 from .hook_state import VoteHookState
 from .momentum import advance_momentum
-from .vote import VoteConfig
+from .dist import nonfinite_flag
+from .vote import MomentumStep, VoteConfig
 
 __all__ = ["SignVoteState", "sign_vote_hook"]
 
@@ -180,8 +181,9 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
             buf = state.momentum_buffer(bucket, grad)
             prepare = lambda mean: (buf, advance_momentum(buf, mean, state.momentum))  # noqa: E731
         return state.vote(bucket, grad, out=grad, prepare=prepare)
-    voter, bad = grad, None
-    if state.momentum > 0:
-        voter = state.momentum_buffer(bucket, grad)
-        bad = advance_momentum(voter, grad, state.momentum)
-    return state.vote(bucket, voter, out=grad, input_nonfinite=bad)
+    if state.momentum == 0:
+        return state.vote(bucket, grad, out=grad)
+    # The momentum advances while it is packed (one pass on a GPU); a NaN gradient leaves it.
+    bad = nonfinite_flag(grad)
+    step = MomentumStep(grad, 1.0 - state.momentum, bad)
+    return state.vote(bucket, state.momentum_buffer(bucket, grad), out=grad, input_nonfinite=bad, momentum=step)

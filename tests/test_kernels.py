@@ -51,6 +51,46 @@ def test_pack_and_unpack_match_reference(family, dtype, n):
         assert not torch.signbit(out[out == 0]).any(), "a zero vote is +0.0"
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, NaN payloads aside (every NaN is a NaN to both)."""
+    nan = a.isnan()
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
+
+
+MOMENTUM_CASES = [  # (buffer dtype, gradient dtype): the hooks keep fp32 momentum for half gradients
+    (torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.bfloat16, torch.float32),
+]  # fmt: skip
+
+
+def _momentum_pack_matches(kernels, dtype, grad_dtype, n: int, weight: float, skip: bool) -> bool:
+    """``kernels.momentum_pack`` against the reference (torch's ``lerp_``, then the reference pack)."""
+    buf = _input(n, dtype, seed=n)  # zeros, -0.0, and past 10 entries NaN, Inf and a subnormal
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(n + 1)).to(grad_dtype) * 3
+    grad[::5] = 0.0
+    words = words_for(n) + 1
+    expected_buf = buf.clone()
+    ref = reference.momentum_pack(expected_buf, grad, weight, torch.tensor(skip), words)
+    got = kernels.momentum_pack(buf, grad, weight, torch.tensor(skip), words)
+    same_planes = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    return same_planes and int(got[2]) == ref[2] and bool(got[3]) == ref[3] and _same_bits(buf, expected_buf)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype,grad_dtype", MOMENTUM_CASES)
+def test_momentum_pack_matches_reference(family, dtype, grad_dtype):
+    # Both of lerp's branches (weight below and from 0.5), a skipped step, sizes around a word.
+    for n in (1, 63, 65, 1000):
+        for weight in (0.1, 0.5, 0.9):
+            for skip in (False, True):
+                assert _momentum_pack_matches(FAMILIES[family], dtype, grad_dtype, n, weight, skip), (n, weight, skip)
+    buf = torch.ones(70, dtype=dtype)
+    FAMILIES[family].momentum_pack(buf, torch.full((70,), float("nan"), dtype=grad_dtype), 0.1, torch.tensor(True), 2)
+    assert torch.equal(buf, torch.ones(70, dtype=dtype)), "a skipped step leaves the momentum as it was"
+
+
 def test_finite_input_has_no_flag_and_zero_count_is_exact():
     x = torch.randn(10_000)
     x[x == 0] = 1.0
@@ -142,7 +182,15 @@ for dtype in DTYPES:
             cuda.unpack(ref[0], nonzero, out)
             assert torch.equal(out.double(), reference.unpack(ref[0], nonzero, n)), (dtype, n)
         checked += 1
-print("checked", checked)
+from tests.test_kernels import MOMENTUM_CASES, _momentum_pack_matches
+fused = 0
+for dtype, grad_dtype in MOMENTUM_CASES:
+    for n in (1, 65, 2100):
+        for weight in (0.1, 0.9):
+            for skip in (False, True):
+                assert _momentum_pack_matches(cuda, dtype, grad_dtype, n, weight, skip), (dtype, grad_dtype, n, weight, skip)
+                fused += 1
+print("checked", checked, "fused", fused)
 """
 
 
@@ -151,7 +199,7 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "checked 24" in done.stdout
+    assert "checked 24 fused 84" in done.stdout
 
 
 def test_tie_words_on_random_segments_match_reference():

@@ -7,6 +7,10 @@ at bit ``k`` of word ``j``, padding bits past the data set in both planes):
   zeros and whether ``x`` holds NaN or Inf, in one read of ``x``;
 * ``vote(positive, nonzero, dense, tie) -> (positive, nonzero)``: the majority of M voters'
   [M, S] planes (``dense[v]``: voter v has no zeros; ``tie``: tie-break bits or None);
+* ``momentum_pack(buf, grad, weight, skip, words)``: Signum's momentum step
+  ``buf.lerp_(grad, weight)`` (left out where the 0-d bool ``skip`` is set: a non-finite
+  gradient), then ``pack(buf, words)``; Triton fuses both into one pass over the tensors,
+  the CPU families run them one after the other (a fused numba loop measured slower);
 * ``unpack(positive, nonzero, out)``: ±1 (0 where ``nonzero`` is clear) straight into ``out``;
 * ``tie_words(segments, call_key, first_entry, words)``: the tie-break bits.
 
@@ -65,6 +69,9 @@ def warm_up(device: torch.device | str = "cpu", dtypes=(torch.float32,), choice:
     for dtype in dtypes:
         x = torch.tensor([1.0, -1.0, 0.0], dtype=dtype, device=device)
         positive, nonzero, _, _ = kernels.pack(x, 1)
+        no_skip = torch.zeros((), dtype=torch.bool, device=device)
+        for momentum_dtype in {dtype, torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype}:
+            kernels.momentum_pack(torch.zeros(3, dtype=momentum_dtype, device=device), x, 0.1, no_skip, 1)  # hooks' kinds
         planes, masks = positive.repeat(2, 1), nonzero.repeat(2, 1)
         tie = kernels.tie_words(SignSegments((0, 3), (0,), (1,)), 0, 0, 1, positive.device)
         dense = torch.tensor([False, True], device=positive.device)

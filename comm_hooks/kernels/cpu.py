@@ -16,9 +16,11 @@ import numba
 import numpy as np
 import torch
 
-from .layout import FLOAT_LAYOUTS, SignSegments, data_words
+import functools
 
-__all__ = ["pack", "unpack", "vote", "tie_words", "NAME"]
+from .layout import FLOAT_LAYOUTS, SignSegments, data_words, momentum_then_pack
+
+__all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_words", "NAME"]
 
 NAME = "numba"
 
@@ -254,6 +256,11 @@ def pack(x: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor, int, 
     positive[used:] = -1  # whole words past the data are padding too
     nonzero[used:] = -1
     return positive, nonzero, int(zeros), bool(bad)
+
+
+# Two passes: torch's lerp_ already runs at memory speed, and a numba loop mixing the update
+# with the bit packing does not vectorise (measured slower: benchmarks/results, vote-cpu-speed).
+momentum_pack = functools.partial(momentum_then_pack, pack)
 
 
 def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -1,6 +1,9 @@
-"""CUDA kernels (Triton) for pack and unpack; the shard vote and tie bits as torch operations.
+"""CUDA kernels (Triton) for pack, Signum's momentum step fused with pack, and unpack; the shard
+vote and tie bits as torch operations.
 
 Pack reads the gradient once and writes both planes, the zero count and the NaN/Inf flag;
+``momentum_pack`` reads the momentum and the gradient once, writes the new momentum and packs
+it in the same pass (torch's lerp, then pack, was five passes and a temporary);
 unpack writes ±1/0 straight into the output. Like the CPU kernels they work on the floats' bit
 patterns, one kernel for fp16, bf16, fp32 and fp64. The vote touches only the packed 1/M
 shard (1/256 of an fp32 gradient's bytes for M = 8), so plain torch bit operations on 64-bit
@@ -18,7 +21,7 @@ import triton.language as tl
 from . import torch_ops
 from .layout import FLOAT_LAYOUTS, SignSegments, data_words
 
-__all__ = ["pack", "unpack", "vote", "tie_words", "NAME"]
+__all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_words", "NAME"]
 
 NAME = "triton"
 _WORDS_PER_PROGRAM = 16
@@ -38,6 +41,53 @@ def _pack_kernel(bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_
     weight = tl.full([64], 1, tl.uint64) << lane.to(tl.uint64)
     pos_word = tl.sum(tl.where(positive, weight[None, :], 0), axis=1)  # distinct bits: sum is OR
     nz_word = tl.sum(tl.where(nonzero, weight[None, :], 0), axis=1)
+    tl.store(pos_ptr + word, pos_word.to(tl.int64, bitcast=True), mask=word < nwords)
+    tl.store(nz_ptr + word, nz_word.to(tl.int64, bitcast=True), mask=word < nwords)
+    tl.atomic_add(zeros_ptr, tl.sum(tl.sum((~nonzero).to(tl.int64), axis=1), axis=0))
+    tl.atomic_max(bad_ptr, tl.max(tl.max(((a >= exp_mask) & inside).to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _bf16_nearest_even(x):
+    """fp32 -> bf16, rounding to nearest even as torch does, in integer arithmetic (the same on a
+    GPU and in the interpreter, whose float cast truncates)."""
+    b = x.to(tl.uint32, bitcast=True)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (b >> 16) | 0x40, rounded)  # NaN stays a (quiet) NaN
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _momentum_pack_kernel(
+    m_ptr, g_ptr, skip_ptr, weight_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask,
+    INT_TYPE: tl.constexpr, BF16: tl.constexpr, SMALL_WEIGHT: tl.constexpr, WORDS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    word = pid * WORDS + tl.arange(0, WORDS)
+    lane = tl.arange(0, 64)
+    index = word[:, None] * 64 + lane[None, :]
+    inside = index < n
+    m = tl.load(m_ptr + index, mask=inside, other=0)
+    if tl.load(skip_ptr) == 0:  # the same for every program: a non-finite gradient moves nothing
+        weight = tl.load(weight_ptr)  # in torch's lerp arithmetic: fp32, or fp64 for fp64
+        old = m.to(weight.dtype)
+        g = tl.load(g_ptr + index, mask=inside, other=0).to(m.dtype).to(weight.dtype)  # exact widenings
+        if SMALL_WEIGHT:  # torch's lerp: the fma from whichever end the weight is nearer
+            new = tl.fma(weight, g - old, old)
+        else:
+            new = tl.fma(weight - 1, g - old, g)
+        if BF16:
+            m = _bf16_nearest_even(new)
+        else:
+            m = new.to(m.dtype)
+        tl.store(m_ptr + index, m, mask=inside)
+    u = m.to(INT_TYPE, bitcast=True).to(tl.uint64) & full_mask
+    a = u & abs_mask
+    positive = (((u - 1) & full_mask) < exp_mask) | ~inside
+    nonzero = (a != 0) | ~inside
+    weights = tl.full([64], 1, tl.uint64) << lane.to(tl.uint64)
+    pos_word = tl.sum(tl.where(positive, weights[None, :], 0), axis=1)
+    nz_word = tl.sum(tl.where(nonzero, weights[None, :], 0), axis=1)
     tl.store(pos_ptr + word, pos_word.to(tl.int64, bitcast=True), mask=word < nwords)
     tl.store(nz_ptr + word, nz_word.to(tl.int64, bitcast=True), mask=word < nwords)
     tl.atomic_add(zeros_ptr, tl.sum(tl.sum((~nonzero).to(tl.int64), axis=1), axis=0))
@@ -77,6 +127,32 @@ def pack(x: torch.Tensor, words: int):
             layout.abs_mask, layout.exp_mask, WORDS=_WORDS_PER_PROGRAM,
         )  # fmt: skip
     # Padding bits are not zeros: the kernel counts only entries inside the data.
+    return positive, nonzero, zeros[0], bad[0].bool()
+
+
+_INT_TYPES = {16: tl.int16, 32: tl.int32, 64: tl.int64}
+
+
+def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor, words: int):
+    """``buf.lerp_(grad, weight)`` unless ``skip``, then ``pack(buf, words)``, in one pass."""
+    if grad.shape != buf.shape or not (buf.is_contiguous() and grad.is_contiguous()):
+        raise ValueError("momentum_pack needs contiguous tensors of one shape")
+    if grad.dtype != buf.dtype and grad.element_size() >= buf.element_size():
+        grad = grad.to(buf.dtype)  # a rounding cast, as lerp_'s caller makes; widening ones run in the kernel
+    layout = FLOAT_LAYOUTS[buf.dtype]
+    positive = torch.full((words,), -1, dtype=torch.int64, device=buf.device)
+    nonzero = torch.full((words,), -1, dtype=torch.int64, device=buf.device)
+    zeros = torch.zeros(1, dtype=torch.int64, device=buf.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    math_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32  # torch's lerp arithmetic
+    weight_t = torch.tensor([weight], dtype=math_dtype, device=buf.device)
+    used = data_words(buf.numel())
+    if used:
+        _momentum_pack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
+            buf, grad, skip.reshape(1).to(torch.int8), weight_t, positive, nonzero, zeros, bad, buf.numel(), used,
+            (1 << layout.bits) - 1, layout.abs_mask, layout.exp_mask, INT_TYPE=_INT_TYPES[layout.bits], BF16=buf.dtype == torch.bfloat16,
+            SMALL_WEIGHT=abs(float(weight_t)) < 0.5, WORDS=_WORDS_PER_PROGRAM,
+        )  # fmt: skip
     return positive, nonzero, zeros[0], bad[0].bool()
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 __all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "data_words", "words_for", "MASK64", "GOLDEN", "mix64",
-           "as_signed", "shift_right"]  # fmt: skip
+           "as_signed", "shift_right", "lerp_unless", "momentum_then_pack"]  # fmt: skip
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: consecutive keys land far apart
@@ -58,6 +58,22 @@ FLOAT_LAYOUTS: dict[torch.dtype, FloatLayout] = {
     torch.float32: _layout(32, torch.int32, np.uint32, 8, 23),
     torch.float64: _layout(64, torch.int64, np.uint64, 11, 52),
 }
+
+
+def lerp_unless(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor) -> None:
+    """``buf.lerp_(grad, weight)`` (torch's rounding: one fma per entry) unless the 0-d bool
+    ``skip`` is set. On CPU a branch; elsewhere a select on the device (no host synchronisation)."""
+    if buf.device.type == "cpu":
+        if not bool(skip):
+            buf.lerp_(grad.to(buf.dtype), weight)
+    else:
+        buf.copy_(torch.where(skip, buf, buf.lerp(grad.to(buf.dtype), weight)))
+
+
+def momentum_then_pack(pack, buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor, words: int):
+    """A family's ``momentum_pack`` as two passes: :func:`lerp_unless`, then ``pack(buf, words)``."""
+    lerp_unless(buf, grad, weight, skip)
+    return pack(buf, words)
 
 
 def data_words(numel: int) -> int:

@@ -7,13 +7,14 @@ bits past the data set in both planes, and the vote ``sign(#positive - #negative
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .layout import GOLDEN, MASK64, SignSegments, mix64, words_for
+from .layout import GOLDEN, MASK64, SignSegments, mix64, momentum_then_pack, words_for
 
-__all__ = ["pack", "unpack", "vote", "tie_bit", "tie_words"]
+__all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_bit", "tie_words"]
 
 
 def _to_int64(values: list[int]) -> torch.Tensor:
@@ -38,6 +39,10 @@ def pack(x: torch.Tensor, words: int | None = None) -> tuple[torch.Tensor, torch
             zeros += 1
         nonfinite |= not math.isfinite(v)
     return _to_int64(positive), _to_int64(nonzero), zeros, nonfinite
+
+
+momentum_pack = functools.partial(momentum_then_pack, pack)
+"""Signum's momentum step as torch's ``lerp_`` defines it (skipped where ``skip``), then :func:`pack`."""
 
 
 def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, numel: int) -> torch.Tensor:

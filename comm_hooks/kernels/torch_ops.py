@@ -12,9 +12,9 @@ import functools
 import numpy as np
 import torch
 
-from .layout import GOLDEN, MASK64, SignSegments, as_signed, shift_right
+from .layout import GOLDEN, MASK64, SignSegments, as_signed, momentum_then_pack, shift_right
 
-__all__ = ["pack", "unpack", "vote", "vote_packed", "tie_words", "popcount64", "NAME"]
+__all__ = ["pack", "momentum_pack", "unpack", "vote", "vote_packed", "tie_words", "popcount64", "NAME"]
 
 NAME = "torch"
 
@@ -39,6 +39,9 @@ def pack(x: torch.Tensor, words: int):
     zeros = x.numel() - nonzero_bits.sum()
     nonfinite = ~torch.isfinite(x).all() if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
     return positive, nonzero, zeros, nonfinite
+
+
+momentum_pack = functools.partial(momentum_then_pack, pack)
 
 
 def _bits(words: torch.Tensor, numel: int) -> torch.Tensor:

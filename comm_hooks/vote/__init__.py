@@ -2,6 +2,7 @@
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .encoding import MomentumStep
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
 from .faults import ByzantineFault
 from .node_vote import NodeVoteWork, gather_in_node, matrix_cost, node_mean, owners, vote_owned, world_mean
@@ -13,6 +14,7 @@ __all__ = [
     "ALGORITHMS",
     "ByzantineFault",
     "KERNELS",
+    "MomentumStep",
     "NONFINITE_ACTIONS",
     "NodeLayout",
     "NodeVoteWork",

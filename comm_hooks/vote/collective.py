@@ -28,7 +28,7 @@ from ..dist import CommStats, group_size_rank
 from ..kernels import kernels_for
 from ..kernels.layout import SignSegments, words_for
 from .config import VoteConfig
-from .encoding import SignEncoding, call_key
+from .encoding import MomentumStep, SignEncoding, call_key
 from .exchange import ExchangeWork, default_two_phase, exchange_bytes_per_rank
 from .packing import check_float
 
@@ -71,6 +71,7 @@ class VoteWork(ExchangeWork):
         input_nonfinite: torch.Tensor | None = None,
         agree_sizes: bool = True,
         first_entry: int | None = None,
+        momentum: MomentumStep | None = None,
     ) -> None:
         config = VoteConfig.of(config, "config")
         if config.hierarchical:
@@ -89,12 +90,15 @@ class VoteWork(ExchangeWork):
             raise ValueError(f"segments cover {segments.numel} entries, the tensor has {flat.numel()}")
         if segments is not None and first_entry is not None and segments.numel < first_entry + flat.numel():
             raise ValueError(f"segments cover {segments.numel} entries, the slice ends at {first_entry + flat.numel()}")
+        if momentum is not None and (momentum.grad.numel() != flat.numel() or momentum.grad.device != flat.device):
+            raise ValueError(f"the momentum step's gradient ({momentum.grad.numel()} entries on {momentum.grad.device}) "
+                             f"must match the buffer voted ({flat.numel()} on {flat.device})")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (it keys the tie-break coins)")
         world_size, _ = group_size_rank(group)
         encoding = SignEncoding(
             kernels_for(flat.device, config.kernels), config.tie, call_key(config.seed, step), segments, config.fault,
-            first_entry or 0, zeros=config.zeros,
+            first_entry or 0, zeros=config.zeros, momentum=momentum,
         )
         super().__init__(
             encoding, flat, group, out=out, two_phase=default_two_phase(config.algorithm, world_size), stats=stats,
@@ -106,8 +110,9 @@ majority_vote_async = VoteWork
 """Start a vote and return its :class:`VoteWork` (packing and the first exchange start before
 it returns); ``.wait()`` gives the voted tensor. Arguments are those of :func:`majority_vote`,
 plus ``input_nonfinite`` (0-d bool: this rank's input counts as non-finite although ``tensor``
-is finite) and ``first_entry`` (the tensor is entries ``first_entry..`` of the one ``segments``
-describe, a slice voted with the coins of the whole)."""
+is finite), ``first_entry`` (the tensor is entries ``first_entry..`` of the one ``segments``
+describe, a slice voted with the coins of the whole) and ``momentum`` (a ``MomentumStep``:
+``tensor`` is a momentum buffer, advanced in the packing pass before its signs are voted)."""
 
 
 def majority_vote(

@@ -33,7 +33,7 @@ from .wire import FLAG_ZERO_LIST as ZERO_LIST
 from .wire import FLAG_ZERO_PLANE as ZERO_PLANE
 from .wire import Plan, with_extra
 
-__all__ = ["EncodedRows", "SignEncoding", "zero_positions", "plane_from_positions", "call_key"]
+__all__ = ["EncodedRows", "MomentumStep", "SignEncoding", "zero_positions", "plane_from_positions", "call_key"]
 
 ZERO_COIN_SALT = 0x5A45524F434F494E  # "ZEROCOIN": the zero rule's coins differ from the tie coins
 
@@ -72,6 +72,17 @@ def call_key(seed: int, step: int) -> int:
     return mix64((seed * GOLDEN + step) & MASK64)
 
 
+@dataclass(frozen=True)
+class MomentumStep:
+    """Signum's momentum step, taken while packing: the voted tensor is the momentum buffer,
+    advanced first by ``buf.lerp_(grad, weight)`` unless ``skip`` (the kernels' ``momentum_pack``,
+    one pass on a GPU)."""
+
+    grad: torch.Tensor  # flat, shaped like the buffer
+    weight: float  # 1 - beta
+    skip: torch.Tensor  # 0-d bool: the gradient holds NaN or Inf, the momentum stays
+
+
 @dataclass
 class EncodedRows:
     rows: torch.Tensor  # int64 [parts, S]
@@ -108,9 +119,10 @@ class SignEncoding:
         first_entry: the tensor is entries ``first_entry ..`` of the one ``segments`` describe
             (a node-aware vote's slice), so its coins are those of the same entries voted whole.
         zeros: ``"abstain"`` or ``"coin"`` (``VoteConfig.zeros``).
+        momentum: the tensor encoded is a momentum buffer to advance first (:class:`MomentumStep`).
     """
 
-    __slots__ = ("kernels", "tie", "key", "segments", "fault", "first_entry", "zeros")
+    __slots__ = ("kernels", "tie", "key", "segments", "fault", "first_entry", "zeros", "momentum")
 
     def __init__(
         self,
@@ -122,9 +134,10 @@ class SignEncoding:
         first_entry: int = 0,
         *,
         zeros: str = "abstain",
+        momentum: MomentumStep | None = None,
     ) -> None:
         self.kernels, self.tie, self.key, self.segments, self.fault = kernels, tie, call_key, segments, fault
-        self.first_entry, self.zeros = first_entry, zeros
+        self.first_entry, self.zeros, self.momentum = first_entry, zeros, momentum
 
     def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
         words = words_for(numel)
@@ -134,7 +147,13 @@ class SignEncoding:
         return Plan(world_size, rank, numel, 1, 64 * words, words, False)
 
     def encode(self, flat: torch.Tensor, plan: Plan) -> EncodedRows:
-        positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
+        step = self.momentum
+        if step is not None:
+            positive, nonzero, zeros, nonfinite = self.kernels.momentum_pack(
+                flat, step.grad.view(-1), step.weight, step.skip, plan.parts * plan.words
+            )
+        else:
+            positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
         if self.zeros == "coin" and bool(zeros) and not bool(nonfinite):
             flat = self._coins_for_zeros(flat, plan.rank)
             positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
