@@ -35,6 +35,7 @@ COMMANDS = {
     "sweep": "sweep",
     "dppf-sweep": "dppf_sweep",
     "plan": "plan",
+    "zero-structure": "zero_structure",
 }
 DEMO = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon",
         "dppf_8", "--plot", "demo_curves.png"]  # fmt: skip

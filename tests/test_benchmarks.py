@@ -296,7 +296,7 @@ def test_sweep_runs_each_scale_and_seed(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
-                                     "ns-precision", "sweep", "dppf-sweep"])  # fmt: skip
+                                     "ns-precision", "sweep", "dppf-sweep", "zero-structure"])  # fmt: skip
 def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     from signmuon.benchmarks.__main__ import main
 
@@ -509,6 +509,26 @@ def test_dppf_converges_on_digits_and_consensus_is_at_least_the_average_worker()
 
 # --- plan: the cost model's byte counts are the formulas the collectives are tested against, its
 # crossover is where the step times meet, and the CLI refuses bad input.
+
+
+def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
+    from signmuon.benchmarks.zero_structure import run, zero_structure
+
+    matrix = torch.ones(4, 6)
+    matrix[1] = 0  # a dead unit's row
+    matrix[:, 2] = 0  # a dead input's column
+    matrix[3, 4] = 0  # neither
+    got = zero_structure([matrix])
+    assert got["zeros"] == 10 / 24 and got["rows"] == 6 / 24 and got["columns"] == 3 / 24 and got["residual"] == 1 / 24
+    assert got["bits_now"] == (24 + 64) / 24  # a plane (64 bits) beats a list of 10 (320)
+    assert got["bits_structured"] == (24 + 4 + 6 + 32) / 24  # row and column masks, one listed zero
+    dense = zero_structure([torch.ones(3, 5), torch.ones(7)])
+    assert dense["bits_now"] == dense["bits_structured"] == 1.0
+    rows = run("digits", batch_size=8, steps=3, report=[0, 2])
+    assert [(step, what) for step, what, _ in rows] == [(0, "gradient"), (0, "momentum"), (2, "gradient"), (2, "momentum")]
+    for _, _, s in rows:
+        assert s["zeros"] > 0 and abs(s["rows"] + s["columns"] + s["residual"] - s["zeros"]) < 1e-12
+        assert 1.0 <= s["bits_structured"] <= s["bits_now"] < 2.02  # a plane per tensor, padded to words
 
 
 def test_plan_bytes_are_the_collectives_formulas():
