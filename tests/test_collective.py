@@ -215,6 +215,37 @@ def test_zero_rule_coin_sends_one_bit_and_votes_a_keyed_coin_for_each_zero(world
         assert torch.equal(r[("coin", 0)][0], voted), "every rank gets the same vote"
 
 
+def test_zero_coins_on_unaligned_segments_of_a_slice_follow_the_definition():
+    # One voter: the vote is its own signs with coins for its zeros. Segments cut mid-word, the
+    # tensor is a slice starting mid-segment (as a node-aware rail votes), one segment is zero
+    # throughout in the slice (it abstains) and one only partly inside it.
+    from signmuon.comm_hooks.kernels import reference
+    from signmuon.comm_hooks.kernels.layout import GOLDEN, MASK64, SignSegments, mix64
+    from signmuon.comm_hooks.vote.encoding import ZERO_COIN_SALT, call_key
+
+    first, n = 37, 700
+    starts = (0, 101, 230, 231, 500, 613, 900)
+    segments = SignSegments(starts, (5, 6, 7, 8, 9, 10), (0, 3, 0, 0, 11, 0))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    x[torch.rand(n, generator=torch.Generator().manual_seed(3)) < 0.3] = 0.0
+    x[500 - first : 613 - first] = 0.0  # segment 4: zero throughout
+    x[613 - first + 64 :] = 0.0  # the last segment partly zero: its zeros take coins
+    for seed, step in ((0, 4), (3, 9)):
+        voted = majority_vote(x, config=VoteConfig(zeros="coin", seed=seed), step=step, segments=segments, first_entry=first)
+        rank_key = mix64(((call_key(seed, step) ^ ZERO_COIN_SALT) + GOLDEN) & MASK64)
+        expected = torch.sign(x)
+        for s, key in enumerate(segments.keys):
+            lo, hi = max(starts[s], first), min(starts[s + 1], first + n)
+            if hi <= lo or not x[lo - first : hi - first].any():
+                continue  # outside the slice, or zero throughout here: abstains
+            for e in range(lo, hi):
+                if x[e - first] == 0:
+                    index = e - starts[s] + segments.first_indices[s]
+                    expected[e - first] = 2.0 * reference.tie_bit(rank_key, key, index) - 1
+        assert torch.equal(voted, expected), seed
+        assert bool((voted[500 - first : 613 - first] == 0).all()) and bool((voted[: 500 - first] != 0).all())
+
+
 def _mismatch_worker(rank: int, world_size: int, sizes: list) -> str:
     from signmuon.comm_hooks import VoteMismatchError
 

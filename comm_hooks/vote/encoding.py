@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.layout import GOLDEN, MASK64, SignSegments, mix64, words_for
+from ..kernels.layout import GOLDEN, MASK64, SignSegments, as_signed, mix64, words_for
 from ..kernels.torch_ops import popcount64
 from .faults import ByzantineFault
 from .wire import FLAG_ZERO_LIST as ZERO_LIST
@@ -52,6 +52,18 @@ def plane_from_positions(positions: torch.Tensor, words: int) -> torch.Tensor:
     # Distinct powers of two: their sum per word is their OR.
     cleared.index_add_(0, positions >> 6, torch.ones_like(positions) << (positions & 63))
     return ~cleared
+
+
+def _clear_bits(plane: torch.Tensor, lo: int, hi: int) -> None:
+    """Clear bits ``lo .. hi-1`` of an int64 word plane."""
+    first, last = lo >> 6, (hi - 1) >> 6
+    low = lambda k: as_signed((1 << k) - 1)  # noqa: E731  the k lowest bits
+    if first == last:
+        plane[first] &= ~as_signed(((1 << (hi - lo)) - 1) << (lo & 63))
+        return
+    plane[first] &= low(lo & 63)
+    plane[first + 1 : last] = 0
+    plane[last] &= ~low(((hi - 1) & 63) + 1) if (hi & 63) else 0
 
 
 def _list_words(positions: torch.Tensor) -> torch.Tensor:
@@ -155,8 +167,7 @@ class SignEncoding:
         else:
             positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
         if self.zeros == "coin" and bool(zeros) and not bool(nonfinite):
-            flat = self._coins_for_zeros(flat, plan.rank)
-            positive, nonzero, zeros, nonfinite = self.kernels.pack(flat, plan.parts * plan.words)
+            positive, nonzero, zeros = self._coins_for_zeros(positive, nonzero, flat.numel(), plan.rank)
         if self.fault is not None:
             positive = self.fault.corrupt(positive, nonzero, plan.rank, self.key & ((1 << 62) - 1))
         rows = positive.view(plan.parts, plan.words)
@@ -166,25 +177,33 @@ class SignEncoding:
             return EncodedRows(rows, values, values, nonfinite, None)
         return EncodedRows(rows, _zero_codes(planes, plan.words), values, nonfinite, planes)
 
-    def _coins_for_zeros(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """``flat`` with each exact zero replaced by this rank's coin (±1), except in segments
-        that are zero throughout here (they still abstain)."""
-        n = flat.numel()
+    def _coins_for_zeros(self, positive: torch.Tensor, nonzero: torch.Tensor, n: int, rank: int):
+        """The planes with each exact zero voting this rank's coin, except in segments that are
+        zero throughout here (they still abstain); and the zeros left. In words, not entries:
+        a zero's positive bit is clear, so its coin is OR-ed in where ``nonzero`` is clear."""
         segments = self.segments or SignSegments.whole(self.first_entry + n)
-        zero = flat == 0
-        starts = torch.tensor(segments.starts, device=flat.device) - self.first_entry
-        lo, hi = starts[:-1].clamp(0, n), starts[1:].clamp(0, n)  # each segment's part of this tensor
-        before = torch.cat([zero.new_zeros(1, dtype=torch.int64), zero.cumsum(0)])
-        blank = (hi > lo) & (before[hi] - before[lo] == hi - lo)  # [segments] zero throughout here
-        keep = torch.zeros(n + 1, dtype=torch.int64, device=flat.device)
-        keep.index_add_(0, lo[blank], torch.ones_like(lo[blank]))
-        keep.index_add_(0, hi[blank], -torch.ones_like(hi[blank]))
-        coin_here = zero & (keep.cumsum(0)[:n] == 0)
+        device = positive.device
+        bounds = torch.tensor(segments.starts, device=device) - self.first_entry
+        lo, hi = bounds[:-1].clamp(0, n), bounds[1:].clamp(0, n)  # each segment's part of this tensor
+        # Nonzero entries below each bound, from the words (1/64 of the entries).
+        counts = popcount64(nonzero)
+        before = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+        def nonzero_below(e: torch.Tensor) -> torch.Tensor:
+            w, b = e >> 6, e & 63
+            partial = nonzero[w.clamp(max=nonzero.numel() - 1)] & ((torch.ones_like(b) << b) - 1)
+            return before[w] + popcount64(partial)
+
+        blank = (hi > lo) & (nonzero_below(hi) == nonzero_below(lo))
+        allowed = torch.full_like(nonzero, -1)  # entries that may vote a coin
+        for a, b in torch.stack([lo[blank], hi[blank]], dim=1).tolist():  # usually none
+            _clear_bits(allowed, a, b)
         key = mix64((self.key ^ ZERO_COIN_SALT) + (rank + 1) * GOLDEN & MASK64)  # per rank: independent coins
-        bits = self.kernels.tie_words(segments, key, self.first_entry, words_for(n), flat.device)
-        coins = torch.empty_like(flat)
-        self.kernels.unpack(bits, None, coins)
-        return torch.where(coin_here, coins, flat)
+        bits = self.kernels.tie_words(segments, key, self.first_entry, words_for(n), device)
+        coin_here = ~nonzero[: bits.numel()] & allowed[: bits.numel()]
+        positive[: bits.numel()] |= bits & coin_here
+        zeros = int((hi - lo)[blank].sum())
+        return positive, nonzero | allowed, zeros
 
     def _planes(self, codes: list[int], extras: list, words: int, device) -> torch.Tensor | None:
         if not any(c & (ZERO_LIST | ZERO_PLANE) for c in codes):
