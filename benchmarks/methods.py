@@ -320,11 +320,21 @@ def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     return build
 
 
-def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0, push: float = 0.0) -> Method:
-    """AdamW on each worker, a round every ``period`` steps: DiLoCo's outer Nesterov step on the
-    pseudo-gradients combined by ``pseudo_gradient`` (None: plain averaging, no outer step).
-    Node-aware where the run is laid out in nodes (``--ranks-per-node``, torchrun): AdamW on the
-    node's mean gradient every step, rounds between nodes on the rails."""
+def _adamw(params, lr_scale: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=2e-3 * lr_scale)
+
+
+def _muon_adamw(params, lr_scale: float) -> torch.optim.Optimizer:
+    return MuonWithAdamW(params, lr=0.02 * lr_scale, adamw_lr=2e-3 * lr_scale)
+
+
+def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0, push: float = 0.0,
+            inner=_adamw) -> Method:  # fmt: skip
+    """``inner`` (AdamW; or torch's Muon with AdamW, MuLoCo) on each worker, a round every
+    ``period`` steps: DiLoCo's outer Nesterov step on the pseudo-gradients combined by
+    ``pseudo_gradient`` (None: plain averaging, no outer step). Node-aware where the run is laid
+    out in nodes (``--ranks-per-node``, torchrun): the inner step on the node's mean gradient
+    every step, rounds between nodes on the rails."""
 
     is_dppf = (pull, push) != LOCAL_SGD_PULL_PUSH
 
@@ -339,7 +349,8 @@ def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0
             pseudo_gradient=pseudo_gradient,
         )  # fmt: skip
         averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout)
-        opt = local_sgd(model, torch.optim.AdamW(model.parameters(), lr=2e-3 * config.lr_scale), averager)
+        params = muon_param_groups(net) if inner is _muon_adamw else model.parameters()
+        opt = local_sgd(model, inner(params, config.lr_scale), averager)
         return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
 
     return build
@@ -351,7 +362,7 @@ METHODS: dict[str, Method] = {
     "signsgd_mv": _ddp_sign_vote(momentum=0.0, lr=1e-3),
     "signum_mv": _ddp_sign_vote(momentum=0.9, lr=1e-3),
     "signum_mv_optim": _ddp_sign_muon(optimizer=SignumMV, lr=1e-3, momentum=0.9),
-    "muon_adamw": _ddp_allreduce(lambda p, s: MuonWithAdamW(p, lr=0.02 * s, adamw_lr=2e-3 * s), routed=True),
+    "muon_adamw": _ddp_allreduce(_muon_adamw, routed=True),
     "powersgd_adamw": _ddp_powersgd(4, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
     "fp16_adamw": _ddp_half(torch.float16, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
     "bf16_adamw": _ddp_half(torch.bfloat16, lambda p, s: torch.optim.AdamW(p, lr=2e-3 * s)),
@@ -378,6 +389,9 @@ METHODS: dict[str, Method] = {
     "diloco_vote_ef_32": _rounds(32, pseudo_gradient="sign_vote_ef"),
     "diloco_ef_8": _rounds(8, pseudo_gradient="scaled_sign"),
     "diloco_ef_32": _rounds(32, pseudo_gradient="scaled_sign"),
+    "muloco_8": _rounds(8, inner=_muon_adamw),
+    "muloco_vote_ef_8": _rounds(8, pseudo_gradient="sign_vote_ef", inner=_muon_adamw),
+    "muloco_vote_ef_32": _rounds(32, pseudo_gradient="sign_vote_ef", inner=_muon_adamw),
     "dppf_outer_8": _rounds(8, pull=0.5, push=0.05),
     "dppf_outer_32": _rounds(32, pull=0.5, push=0.05),
 }

@@ -42,11 +42,12 @@ def tuned_lr_scale(task: str, method: str) -> float | None:
 
 # Methods not swept on their own that run a swept method's optimizer at the same default learning
 # rate: they take its factor (marked '~' in train's tables, not '*'). The rounds' inner optimizer
-# is AdamW's; their outer step was chosen on seed 0 (benchmarks/results/2026-12-03-local-steps.md).
+# is AdamW's (torch's Muon with AdamW for MuLoCo); their outer step was chosen on seed 0 (benchmarks/results/2026-12-03-local-steps.md).
 SAME_OPTIMIZER: dict[str, str] = {
     "signmuon_node": "signmuon",
     **{f"{name}_{period}": "adamw" for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef",
                                                  "dppf_outer") for period in (8, 32)},  # fmt: skip
+    **{name: "muon_adamw" for name in ("muloco_8", "muloco_vote_ef_8", "muloco_vote_ef_32")},
 }
 
 

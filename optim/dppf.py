@@ -96,7 +96,8 @@ class DPPFAverager(ModelAverager):
             which makes them equal) and again at the end of the warm-up; a round comes after
             every ``period`` local steps (DiLoCo's schedule; without ``outer``, torch's: right
             after the warm-up, then every ``period``). Every parameter of ``module`` that
-            requires grad takes part, and ``average_parameters`` must get exactly those.
+            requires grad takes part, and ``average_parameters`` must get exactly those, in any
+            order or grouping (Muon's parameter groups, for MuLoCo).
         layout: node-aware rounds (:func:`signmuon.comm_hooks.node_layout`, at least two nodes):
             :func:`local_sgd` all-reduces gradients inside each node every step, and a round
             sends only each local rank's 1/L slice, over its rail.
@@ -187,8 +188,8 @@ class DPPFAverager(ModelAverager):
             self._settings_checked = True
         params = _all_params(params)
         if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
+            params = self._in_module_order(params)
             groups = _by_dtype_and_device(params)
-            self.consensus.check_groups(groups)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
                 self.consensus.reset([flatten(tensors) for tensors in groups])
         if self.is_round():
@@ -196,6 +197,17 @@ class DPPFAverager(ModelAverager):
             if agreed is not None:
                 self._round(params if self.consensus is not None else agreed)
         self.step += 1
+
+    def _in_module_order(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``module``'s parameters that require grad, in its order, if ``params`` are exactly those
+        (an optimizer may group them otherwise, as Muon's matrices-and-the-rest groups do)."""
+        expected = [p for p in self.module.parameters() if p.requires_grad]
+        if len(params) != len(expected) or {id(p) for p in params} != {id(p) for p in expected}:
+            raise ValueError(
+                "the parameters given to the round are not those the consensus was made of (DPPFAverager(module=...)'s "
+                "parameters that require grad, in any order): average_parameters must get the same parameters every time"
+            )
+        return expected
 
     def _settings(self) -> dict[str, Any]:
         settings = {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",

@@ -187,14 +187,6 @@ class Consensus:
         agree(prints, _exchange_group(self.group, self.layout), stats=stats, what="the first round with different "
               "consensus parameters (build DPPFAverager after DDP, which makes the workers' parameters equal)")  # fmt: skip
 
-    def check_groups(self, groups: list[list[torch.Tensor]]) -> None:
-        sizes = [[t.numel() for t in tensors] for tensors in groups]
-        if sizes != self.sizes:
-            raise ValueError(
-                "the parameters given to the round are not those the consensus was made of (DPPFAverager(module=...)'s "
-                "parameters that require grad, in order): average_parameters must get the same parameters every time"
-            )
-
     @torch.no_grad()
     def reset(self, flats: list[torch.Tensor]) -> None:
         """Start again from ``flats`` (the same on every rank: the end of the warm-up)."""

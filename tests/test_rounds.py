@@ -96,8 +96,10 @@ def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, pus
     return history
 
 
-def _rounds_worker(rank, world_size, pull, push, combine, steps):
+def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False):
     model = _model()
+    params = list(model.parameters())  # grouped: out of module order, as Muon's groups are
+    given = [{"params": params[::2]}, {"params": params[1::2][::-1]}] if grouped else params
     inner = _inner(model)
     outer = OuterStep(
         optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), pseudo_gradient=combine,
@@ -109,7 +111,7 @@ def _rounds_worker(rank, world_size, pull, push, combine, steps):
         inner.zero_grad()
         _loss(model, _batch(rank, step)).backward()
         inner.step()
-        averager.average_parameters(model.parameters())
+        averager.average_parameters(given)
         history.append(_flat(model).clone())
     consensus = _flat_of(averager.consensus_state_dict(model), model)
     return history, averager.rounds, averager.stats.bytes_sent, consensus
@@ -134,6 +136,15 @@ def test_outer_step_rounds_equal_the_reference(pull, push):
         assert torch.equal(results[0][0][5], results[1][0][5])
         for history, _, _, consensus in results:  # and the model to evaluate is that consensus
             assert torch.equal(consensus, history[5])
+
+
+def test_the_parameters_may_come_in_another_order_and_grouping():
+    # MuLoCo: Muon's parameter groups list the matrices first; the consensus keeps the module's order.
+    results = run_distributed(_rounds_worker, 2, 1.0, 0.0, "mean", STEPS, True)
+    expected = _reference(2, STEPS, H)
+    for rank, (history, rounds, _, _) in enumerate(results):
+        assert rounds == STEPS // H
+        torch.testing.assert_close(history[-1], expected[-1][rank], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("combine", ["sign_vote", "sign_vote_ef", "scaled_sign"])
