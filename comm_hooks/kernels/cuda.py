@@ -14,6 +14,8 @@ Tested in CI without a GPU under ``TRITON_INTERPRET=1`` against the references, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -133,6 +135,12 @@ def pack(x: torch.Tensor, words: int):
 _INT_TYPES = {16: tl.int16, 32: tl.int32, 64: tl.int64}
 
 
+@functools.lru_cache(maxsize=64)
+def _weight_on(weight: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The weight as a one-entry tensor on the device (kept: no copy per call), in lerp's arithmetic."""
+    return torch.tensor([weight], dtype=dtype, device=device)
+
+
 def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor, words: int):
     """``buf.lerp_(grad, weight)`` unless ``skip``, then ``pack(buf, words)``, in one pass."""
     if grad.shape != buf.shape or not (buf.is_contiguous() and grad.is_contiguous()):
@@ -145,13 +153,13 @@ def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: to
     zeros = torch.zeros(1, dtype=torch.int64, device=buf.device)
     bad = torch.zeros(1, dtype=torch.int32, device=buf.device)
     math_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32  # torch's lerp arithmetic
-    weight_t = torch.tensor([weight], dtype=math_dtype, device=buf.device)
+    weight_t = _weight_on(weight, math_dtype, buf.device)
     used = data_words(buf.numel())
     if used:
         _momentum_pack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
             buf, grad, skip.reshape(1).to(torch.int8), weight_t, positive, nonzero, zeros, bad, buf.numel(), used,
             (1 << layout.bits) - 1, layout.abs_mask, layout.exp_mask, INT_TYPE=_INT_TYPES[layout.bits], BF16=buf.dtype == torch.bfloat16,
-            SMALL_WEIGHT=abs(float(weight_t)) < 0.5, WORDS=_WORDS_PER_PROGRAM,
+            SMALL_WEIGHT=abs(float(torch.tensor(weight, dtype=math_dtype))) < 0.5, WORDS=_WORDS_PER_PROGRAM,
         )  # fmt: skip
     return positive, nonzero, zeros[0], bad[0].bool()
 
