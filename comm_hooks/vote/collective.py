@@ -2,7 +2,7 @@
 
 The schedule (all-to-all of packed shards, a vote per shard, all-gather of the voted shards;
 or one all-gather for two ranks) is ``exchange``'s; what a shard holds
-(the ``positive`` plane, zero lists or planes when there are zeros, tie-break coins) is
+(the ``positive`` plane, zero lists, runs or planes when there are zeros, tie-break coins) is
 ``encoding``'s. Bytes one rank sends in the dense case (M ranks,
 n entries, W = ceil(n/64) words, S = ceil(W/M)):
 
@@ -10,7 +10,8 @@ n entries, W = ceil(n/64) words, S = ceil(W/M)):
 * all-gather: ``(M-1) * (W + 4 + 3) * 8``;
 * the ``+ 3`` is the agreement round on entry count, dtype and tag, which the DDP hooks skip
   per bucket (DDP gives every rank the same buckets);
-* k exact zeros add at most ``4k`` bytes per direction while they are few (a zero list),
+* k exact zeros in r runs add at most ``8 min(ceil(k/2), r)`` bytes per direction while they
+  are few (a zero list, or runs),
   never more than one more bit plane.
 
 ``tie="fast"`` (the default) keeps the voted result at one bit per entry: ties between an equal

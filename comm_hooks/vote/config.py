@@ -37,7 +37,7 @@ class VoteConfig:
     ``"exact"`` votes 0, the literal ``sign(sum sign)``, which sends the voted zeros too."""
     zeros: Literal["abstain", "coin"] = "abstain"
     """A rank's exact zero (a dead ReLU unit's weights, a momentum row that never moved):
-    ``"abstain"`` leaves it out of the vote, and its position travels too (a list or a second
+    ``"abstain"`` leaves it out of the vote, and its position travels too (a list, runs or a second
     bit plane); ``"coin"`` votes an unbiased coin instead, drawn from (seed, step, rank,
     parameter, position) like the tie coins, so every entry travels as one bit. A parameter
     that is zero throughout on a rank still abstains there, so an unused parameter stays put.

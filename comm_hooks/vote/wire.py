@@ -9,7 +9,8 @@ word  name      meaning
 0     code      bit 0 ``FLAG_NONFINITE``: this rank's input holds NaN or Inf (exchange);
                 bit 1 ``FLAG_ZERO_LIST``: the row's extra lists zero positions (encoding);
                 bit 2 ``FLAG_ZERO_PLANE``: the row's extra is a nonzero plane (encoding);
-                bits 3-6: free for encodings;
+                bit 3 ``FLAG_ZERO_RUNS``: the row's extra lists runs of zeros (encoding);
+                bits 4-6: free for encodings;
                 bit 7 ``FLAG_SENDS_EXTRA``: this rank sends an extra to some rank (exchange);
                 bits 8-63: the length of the row's extra in words (:func:`extra_words`)
 1     value     an encoding's number (e.g. a float64 scale's bits)
@@ -32,7 +33,7 @@ from ..kernels.layout import FLOAT_LAYOUTS
 
 __all__ = [
     "AGREE_FIELDS", "HEADER_WORDS", "GATHER_HEADER_WORDS", "WORD_BYTES", "FLAG_NONFINITE", "FLAG_ZERO_LIST",
-    "FLAG_ZERO_PLANE", "FLAG_SENDS_EXTRA", "EXCHANGE_FLAGS", "DTYPE_CODES", "Plan", "Encoded", "Encoding",
+    "FLAG_ZERO_PLANE", "FLAG_ZERO_RUNS", "FLAG_SENDS_EXTRA", "EXCHANGE_FLAGS", "DTYPE_CODES", "Plan", "Encoded", "Encoding",
     "extra_words", "with_extra", "shape_word", "describe_shape",
 ]  # fmt: skip
 
@@ -43,6 +44,7 @@ WORD_BYTES = 8
 FLAG_NONFINITE = 1
 FLAG_ZERO_LIST = 2
 FLAG_ZERO_PLANE = 4
+FLAG_ZERO_RUNS = 8
 FLAG_SENDS_EXTRA = 128
 EXCHANGE_FLAGS = FLAG_NONFINITE | FLAG_SENDS_EXTRA
 EXTRA_SHIFT = 8
