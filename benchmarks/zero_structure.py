@@ -1,12 +1,13 @@
 """Where a ReLU model's exact zeros lie, and what a row-and-column code of them would cost.
 
-A rank abstains from the vote where its entry is exactly 0; today the positions travel as a
-list or a second bit plane (``VoteConfig(zeros="abstain")``). Dead units zero whole rows of
+A rank abstains from the vote where its entry is exactly 0; the positions travel as a list,
+as runs of consecutive zeros or as a second bit plane, whichever is cheapest
+(``VoteConfig(zeros="abstain")``). Dead units zero whole rows of
 the weight into them and whole columns of the weight out of them, so a code of zero rows and
 columns costs rows + columns bits per matrix. This command trains one worker (its share of
 the batch, SGD) and at chosen steps splits the zeros of each gradient and of Signum's momentum
 into those in a zero row, those in a zero column, and the rest; it prints the bits per entry
-of today's code and of the best row-and-column code (residual zeros as a list or a plane,
+of that code and of the best row-and-column code (residual zeros as a list or a plane,
 whichever is cheaper), per tensor, summed over the model. Matrices are the weights' views as
 (first dimension, the rest), as Newton–Schulz sees them.
 
@@ -27,13 +28,16 @@ __all__ = ["zero_structure", "main"]
 
 def zero_structure(tensors: list[torch.Tensor]) -> dict[str, float]:
     """Fractions of all entries that are zero, in a zero row, in a zero column (not in a zero
-    row) and neither; bits per entry of the list-or-plane code and of the row-and-column code."""
+    row) and neither; bits per entry of the vote's code (list, runs or plane) and of a
+    row-and-column code."""
     totals = dict.fromkeys(("entries", "zeros", "rows", "columns", "residual", "bits_now", "bits_structured"), 0)
     for t in tensors:
         zero = (t == 0).reshape(t.shape[0], -1) if t.dim() > 1 else (t == 0).reshape(1, -1)
         rows, cols = zero.all(dim=1), zero.all(dim=0)
         covered = rows[:, None] | cols[None, :]
         n, k, residual = zero.numel(), int(zero.sum()), int((zero & ~covered).sum())
+        flat = zero.reshape(-1)
+        runs = int((flat[1:] & ~flat[:-1]).sum()) + int(flat[0])  # maximal runs of zeros
         plane = 64 * -(-n // 64)
         list_or_plane = lambda count: 0 if count == 0 else min(plane, 32 * count)  # noqa: E731
         totals["entries"] += n
@@ -41,7 +45,7 @@ def zero_structure(tensors: list[torch.Tensor]) -> dict[str, float]:
         totals["rows"] += int(rows.sum()) * zero.shape[1]
         totals["columns"] += int((cols[None, :] & ~rows[:, None]).sum())
         totals["residual"] += residual
-        totals["bits_now"] += n + list_or_plane(k)
+        totals["bits_now"] += n + (min(list_or_plane(k), 64 * runs) if k else 0)
         masks = sum(zero.shape) if k > residual else 0
         totals["bits_structured"] += n + (min(plane, masks + list_or_plane(residual)) if k else 0)
     n = totals.pop("entries")

@@ -522,6 +522,9 @@ def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
     assert got["zeros"] == 10 / 24 and got["rows"] == 6 / 24 and got["columns"] == 3 / 24 and got["residual"] == 1 / 24
     assert got["bits_now"] == (24 + 64) / 24  # a plane (64 bits) beats a list of 10 (320)
     assert got["bits_structured"] == (24 + 4 + 6 + 32) / 24  # row and column masks, one listed zero
+    table = torch.ones(10, 64)
+    table[:5] = 0  # an embedding's absent rows: one run of 320 zeros
+    assert zero_structure([table])["bits_now"] == (640 + 64) / 640
     dense = zero_structure([torch.ones(3, 5), torch.ones(7)])
     assert dense["bits_now"] == dense["bits_structured"] == 1.0
     rows = run("digits", batch_size=8, steps=3, report=[0, 2])
