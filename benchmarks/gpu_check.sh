@@ -64,7 +64,7 @@ for dtype, grad_dtype in ((torch.float32, torch.float32), (torch.float32, torch.
                 assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1]), (dtype, n, weight)
 x = torch.randn(1 << 20, device="cuda")
 assert torch.equal(majority_vote(x, config=VoteConfig()), torch.sign(x))
-from signmuon.comm_hooks.vote.encoding import plane_from_runs, zero_runs
+from signmuon.comm_hooks.vote.zero_codes import plane_from_runs, zero_runs
 rows = torch.randn(3000, 96)
 rows[:700], rows[900::31] = 0.0, 0.0  # an embedding's absent rows: zeros sent as runs
 _, nonzero, _, _ = cuda.pack(rows.view(-1).cuda(), words_for(rows.numel()))

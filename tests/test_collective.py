@@ -167,7 +167,7 @@ def test_zero_runs_and_their_plane_follow_the_definition():
 
     from signmuon.comm_hooks.kernels import cpu
     from signmuon.comm_hooks.kernels.layout import words_for
-    from signmuon.comm_hooks.vote.encoding import plane_from_runs, zero_runs
+    from signmuon.comm_hooks.vote.zero_codes import plane_from_runs, zero_runs
 
     rng = random.Random(0)
     for case in range(200):

@@ -1,16 +1,10 @@
 """The sign encoding of the majority vote: what a shard holds, how it is voted and decoded.
 
 A rank's shard of a tensor travels as its ``positive`` plane (one bit per entry). Exact zeros
-(a rank abstains where its entry is 0) travel only when there are any, as the cheapest of:
-
-* a **zero list**: the positions of the zeros inside the shard, 32 bits each
-  (``ceil(k/2)`` words for k zeros);
-* **zero runs**: (start, length) of each maximal run of consecutive zeros, 32 bits each (one
-  word per run): an embedding's rows of tokens absent from the batch, a dead unit's row;
-* a **zero plane**: the shard's ``nonzero`` plane, ``S`` words,
-
-decided per rank and shard from the counts (a list where it ties with runs), and announced in the row's header (flag and
-length), so receivers size the extra exchange without a round trip. The voted shard's zeros
+(a rank abstains where its entry is 0) travel only when there are any, as the cheapest of a
+zero list, zero runs (an embedding's rows of tokens absent from the batch, a dead unit's row)
+and a zero plane (``zero_codes``), decided per rank and shard from the counts and announced in
+the row's header (flag and length), so receivers size the extra exchange without a round trip. The voted shard's zeros
 (entries that are 0 on every voter, and ties in ``"exact"`` mode) travel back the same way.
 So a tensor with k zeros in r runs costs ``min(ceil(k/2), r, S)`` words more than the dense
 formula: never more than a second bit plane.
@@ -28,115 +22,17 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.layout import GOLDEN, MASK64, SignSegments, as_signed, mix64, shift_right, words_for
+from ..kernels.layout import GOLDEN, MASK64, SignSegments, mix64, words_for
 from ..kernels.torch_ops import popcount64
 from .faults import ByzantineFault
-from .wire import FLAG_ZERO_LIST as ZERO_LIST
 from .wire import FLAG_ZERO_PLANE as ZERO_PLANE
 from .wire import FLAG_ZERO_RUNS as ZERO_RUNS
-from .wire import Plan, with_extra
+from .wire import Plan
+from .zero_codes import ZEROS_SENT, clear_bits, extra_of, list_positions, plane_of, zero_codes
 
-__all__ = ["EncodedRows", "MomentumStep", "SignEncoding", "zero_positions", "plane_from_positions", "zero_runs",
-           "plane_from_runs", "call_key"]  # fmt: skip
-
-ZEROS_SENT = ZERO_LIST | ZERO_PLANE | ZERO_RUNS
+__all__ = ["EncodedRows", "MomentumStep", "SignEncoding", "call_key"]
 
 ZERO_COIN_SALT = 0x5A45524F434F494E  # "ZEROCOIN": the zero rule's coins differ from the tie coins
-
-
-def zero_positions(nonzero: torch.Tensor) -> torch.Tensor:
-    """int64 positions (ascending) of the clear bits of ``nonzero`` int64 [S] words."""
-    words = (nonzero != -1).nonzero().view(-1)
-    bits = torch.arange(64, device=nonzero.device)
-    clear = ((~nonzero[words]).unsqueeze(1) >> bits) & 1  # [k_words, 64]
-    return (words.unsqueeze(1) * 64 + bits)[clear.bool()]
-
-
-def plane_from_positions(positions: torch.Tensor, words: int) -> torch.Tensor:
-    """int64 [words] with every bit set but those at ``positions`` (distinct)."""
-    cleared = torch.zeros(words, dtype=torch.int64, device=positions.device)
-    # Distinct powers of two: their sum per word is their OR.
-    cleared.index_add_(0, positions >> 6, torch.ones_like(positions) << (positions & 63))
-    return ~cleared
-
-
-def _run_starts(nonzero: torch.Tensor) -> torch.Tensor:
-    """Bits set where a run of clear bits of ``nonzero`` [..., S] words begins (a row's first
-    bit counts as following a set one)."""
-    zero = ~nonzero
-    before = zero << 1  # bit k: entry k-1 is zero (within the word)
-    before[..., 1:] |= shift_right(zero[..., :-1], 63)  # bit 0: the previous word's last entry
-    return zero.bitwise_and_(before.bitwise_not_())
-
-
-def _run_ends(nonzero: torch.Tensor) -> torch.Tensor:
-    """Bits set at the last bit of each run of clear bits (padding bits past the data are set)."""
-    zero = ~nonzero
-    carry = torch.cat([zero[..., 1:] << 63, torch.zeros_like(zero[..., :1])], dim=-1)
-    return zero & ~(shift_right(zero, 1) | carry)
-
-
-def zero_runs(nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, lengths), int64, of the runs of clear bits of ``nonzero`` int64 [S] words."""
-    starts, ends = zero_positions(~_run_starts(nonzero)), zero_positions(~_run_ends(nonzero))
-    return starts, ends - starts + 1
-
-
-def _low_bits(k: torch.Tensor) -> torch.Tensor:
-    """Per entry, an int64 with its ``k`` lowest bits set (0 <= k <= 64)."""
-    return torch.where(k >= 64, -1, (torch.ones_like(k) << k.clamp(max=63)) - 1)
-
-
-def plane_from_runs(starts: torch.Tensor, lengths: torch.Tensor, words: int) -> torch.Tensor:
-    """int64 [words] with every bit set but those in the runs (disjoint, as :func:`zero_runs` gives)."""
-    stops = starts + lengths  # exclusive
-    first, last = starts >> 6, (stops - 1) >> 6
-    top = (stops - 1 & 63) + 1  # bits of the last word inside its run
-    one_word = first == last
-    # Runs are disjoint, so their masks in a shared edge word have distinct bits: a sum is an OR.
-    cleared = torch.zeros(words, dtype=torch.int64, device=starts.device)
-    head = ~_low_bits(starts & 63) & torch.where(one_word, _low_bits(top), -1)
-    cleared.index_add_(0, first, head)
-    cleared.index_add_(0, last[~one_word], _low_bits(top[~one_word]))
-    inner = torch.zeros(words + 1, dtype=torch.int64, device=starts.device)  # words wholly inside a run
-    inner.index_add_(0, first[~one_word] + 1, torch.ones_like(first[~one_word]))
-    inner.index_add_(0, last[~one_word], -torch.ones_like(last[~one_word]))
-    return ~(cleared | torch.where(inner.cumsum(0)[:words] > 0, -1, 0))
-
-
-def _run_words(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Runs as int32 (start, length) pairs, one int64 word each."""
-    return torch.stack([starts, lengths], dim=1).to(torch.int32).view(torch.int64).reshape(-1)
-
-
-def _runs_from_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = words.view(torch.int32).view(-1, 2).to(torch.int64)
-    return pairs[:, 0], pairs[:, 1]
-
-
-def _clear_bits(plane: torch.Tensor, lo: int, hi: int) -> None:
-    """Clear bits ``lo .. hi-1`` of an int64 word plane."""
-    first, last = lo >> 6, (hi - 1) >> 6
-    low = lambda k: as_signed((1 << k) - 1)  # noqa: E731  the k lowest bits
-    if first == last:
-        plane[first] &= ~as_signed(((1 << (hi - lo)) - 1) << (lo & 63))
-        return
-    plane[first] &= low(lo & 63)
-    plane[first + 1 : last] = 0
-    plane[last] &= ~low(((hi - 1) & 63) + 1) if (hi & 63) else 0
-
-
-def _list_words(positions: torch.Tensor) -> torch.Tensor:
-    """Positions as int32 pairs in int64 words (an odd count padded with -1)."""
-    as32 = positions.to(torch.int32)
-    if as32.numel() % 2:
-        as32 = torch.cat([as32, as32.new_full((1,), -1)])
-    return as32.view(torch.int64)
-
-
-def _list_positions(words: torch.Tensor) -> torch.Tensor:
-    as32 = words.view(torch.int32)
-    return as32[as32 >= 0].to(torch.int64)
 
 
 def call_key(seed: int, step: int) -> int:
@@ -165,22 +61,7 @@ class EncodedRows:
 
     def extra(self, part: int, code: int) -> torch.Tensor:
         """The extra of ``part`` whose header code (already read by the exchange) is ``code``."""
-        plane = self.zero_planes[part]
-        if code & ZERO_PLANE:
-            return plane
-        return _run_words(*zero_runs(plane)) if code & ZERO_RUNS else _list_words(zero_positions(plane))
-
-
-def _zero_codes(planes: torch.Tensor, words: int) -> torch.Tensor:
-    """Per row of ``nonzero`` planes [P, S]: flag and extra length of the cheapest zero encoding."""
-    zeros = popcount64(~planes).sum(dim=1)  # [P]
-    runs = popcount64(_run_starts(planes)).sum(dim=1)
-    list_len = (zeros + 1) // 2
-    use_runs = (runs < list_len) & (runs < words)
-    use_list = ~use_runs & (list_len < words)
-    length = torch.where(use_runs, runs, torch.where(use_list, list_len, words))
-    flag = torch.where(use_runs, ZERO_RUNS, torch.where(use_list, ZERO_LIST, ZERO_PLANE))
-    return torch.where(zeros > 0, with_extra(flag, length), 0)
+        return extra_of(self.zero_planes[part], code)
 
 
 class SignEncoding:
@@ -239,7 +120,7 @@ class SignEncoding:
         values = torch.zeros(plan.parts, dtype=torch.int64, device=flat.device)
         if isinstance(zeros, int) and zeros == 0:  # the dense case: no popcount pass
             return EncodedRows(rows, values, values, nonfinite, None)
-        return EncodedRows(rows, _zero_codes(planes, plan.words), values, nonfinite, planes)
+        return EncodedRows(rows, zero_codes(planes, plan.words), values, nonfinite, planes)
 
     def _coins_for_zeros(self, positive: torch.Tensor, nonzero: torch.Tensor, n: int, rank: int):
         """The planes with each exact zero voting this rank's coin, except in segments that are
@@ -261,7 +142,7 @@ class SignEncoding:
         blank = (hi > lo) & (nonzero_below(hi) == nonzero_below(lo))
         allowed = torch.full_like(nonzero, -1)  # entries that may vote a coin
         for a, b in torch.stack([lo[blank], hi[blank]], dim=1).tolist():  # usually none
-            _clear_bits(allowed, a, b)
+            clear_bits(allowed, a, b)
         key = mix64((self.key ^ ZERO_COIN_SALT) + (rank + 1) * GOLDEN & MASK64)  # per rank: independent coins
         bits = self.kernels.tie_words(segments, key, self.first_entry, words_for(n), device)
         coin_here = ~nonzero[: bits.numel()] & allowed[: bits.numel()]
@@ -272,15 +153,7 @@ class SignEncoding:
     def _planes(self, codes: list[int], extras: list, words: int, device) -> torch.Tensor | None:
         if not any(c & ZEROS_SENT for c in codes):
             return None
-        planes = torch.full((len(codes), words), -1, dtype=torch.int64, device=device)
-        for v, (code, extra) in enumerate(zip(codes, extras)):
-            if code & ZERO_PLANE:
-                planes[v] = extra
-            elif code & ZERO_RUNS:
-                planes[v] = plane_from_runs(*_runs_from_words(extra), words)
-            elif code & ZERO_LIST:
-                planes[v] = plane_from_positions(_list_positions(extra), words)
-        return planes
+        return torch.stack([plane_of(code, extra, words, device) for code, extra in zip(codes, extras)])
 
     def reduce(self, rows, codes, values, extras, part, plan) -> EncodedRows:
         device = rows.device
@@ -297,7 +170,7 @@ class SignEncoding:
         if not can_have_zeros:
             return EncodedRows(voted_pos.unsqueeze(0), zero, zero, False, None)
         voted_planes = voted_nz.unsqueeze(0)
-        return EncodedRows(voted_pos.unsqueeze(0), _zero_codes(voted_planes, plan.words), zero, False, voted_planes)
+        return EncodedRows(voted_pos.unsqueeze(0), zero_codes(voted_planes, plan.words), zero, False, voted_planes)
 
     def decode(self, rows, codes, values, extras, plan, out) -> None:
         flat = out.view(-1)
@@ -307,7 +180,7 @@ class SignEncoding:
             return
         if not any(c & (ZERO_PLANE | ZERO_RUNS) for c in codes):  # only short lists: zero them after a dense unpack
             self.kernels.unpack(positive, None, flat)
-            where = [_list_positions(e) + part * plan.part_entries for part, e in enumerate(extras) if e is not None]
+            where = [list_positions(e) + part * plan.part_entries for part, e in enumerate(extras) if e is not None]
             flat.index_fill_(0, torch.cat(where), 0)
             return
         planes = self._planes(codes, extras, plan.words, out.device).reshape(-1)
