@@ -124,3 +124,18 @@ def test_each_field_reaches_the_vote_of_every_hook_and_optimizer():
         assert not same("exact") and not same("seed") and not same("fault"), entry  # ties and faults change the vote
         assert same("two_phase") and results[(entry, "two_phase")][1] != sent, entry  # same vote, other schedule
         assert same("torch_kernels") and results[(entry, "torch_kernels")][1] == sent, entry  # same bits, same bytes
+
+
+def _triton_hook_worker(rank, world_size):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are first imported here
+    return {name: _train(rank, "sign_vote_hook", config) for name, config in
+            (("numba", VoteConfig()), ("triton", VoteConfig(kernels="triton")))}  # fmt: skip
+
+
+def test_the_signum_hook_on_the_triton_kernels_trains_the_same_bits():
+    # The hook's momentum step runs inside Triton's fused momentum_pack (interpreted on CPU here).
+    for r in run_distributed(_triton_hook_worker, 2):
+        (numba_params, numba_sent), (triton_params, triton_sent) = r["numba"], r["triton"]
+        assert all(torch.equal(a, b) for a, b in zip(numba_params, triton_params)) and numba_sent == triton_sent
