@@ -47,6 +47,7 @@ from signmuon.comm_hooks.dist import (
     check_same_settings,
     flatten,
     gather_rows,
+    group_size_rank,
     mean_all_reduce,
     nonfinite_flag,
     settings_digest,
@@ -159,14 +160,16 @@ class DPPFAverager(ModelAverager):
         self.mean_distance = float("nan")
         self.max_distance = float("nan")
         self.stats = CommStats()
-        self._settings_checked = False  # compared across ranks at the first call
+        # Settings are compared at a fresh averager's first call (a mismatch fails before any
+        # training) and at every round (so a replica that rejoins with a loaded state is too).
+        self._settings_checked = False
         self.layout = _check_layout(layout)
         self.outer = outer
         self.consensus = None
         if outer is not None:
             params = [p for p in module.parameters() if p.requires_grad]
             self.consensus = Consensus(_by_dtype_and_device(params), outer, self.process_group, self.layout)
-            self._consensus_checked = False
+            self._consensus_checked = False  # compared at the first round after construction or a load
 
     def is_round(self, step: int | None = None) -> bool:
         """Whether ``step`` (default: the next one) averages."""
@@ -220,7 +223,14 @@ class DPPFAverager(ModelAverager):
         """The parameters every rank averages this round, or None when the round is skipped."""
         if dist._rank_not_in_group(self.process_group):
             return None
-        used, bad_ranks = round_flags(params, self._buffers(), self.process_group, self.step, self.stats)
+        unchecked = self.consensus is not None and not self._consensus_checked
+        used, bad_ranks, check_consensus = round_flags(
+            params, self._buffers(), self.process_group, self.step, self.stats,
+            settings=settings_digest(self._settings()), unchecked=unchecked,
+        )  # fmt: skip
+        if check_consensus:  # some rank is new to this consensus (first round, or loaded): all compare
+            self.consensus.check_same_start(self.stats)
+            self._consensus_checked = True
         if bad_ranks:
             self.stats.skipped += 1
             if self.nonfinite == "raise":
@@ -243,9 +253,6 @@ class DPPFAverager(ModelAverager):
         groups = _by_dtype_and_device(params)
         flats = [flatten(tensors) for tensors in groups]  # [n] this worker's x, per group
         if self.consensus is not None:
-            if not self._consensus_checked:
-                self.consensus.check_same_start(self.stats)
-                self._consensus_checked = True
             targets = self.consensus.advance(flats, self.stats)
         else:  # x_bar (torch's order: divide, then sum)
             targets = [average_over_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
@@ -324,6 +331,7 @@ class DPPFAverager(ModelAverager):
         if self.consensus is not None:
             self.consensus.load_state_dict(state["consensus"])
             self._consensus_checked = False
+        self._settings_checked = True  # the rounds compare them from here
 
 
 def push_away(tensors: list[torch.Tensor], diffs: list[torch.Tensor], push: float, eps: float, *, per_tensor: bool) -> list[float]:
@@ -346,25 +354,36 @@ def worker_distances(distances: list[float], group: dist.ProcessGroup, gather: b
     """(mean, max) over the workers of each one's distance to the consensus (the root sum of
     squares of ``distances``); this worker's alone unless ``gather``."""
     mine = math.sqrt(sum(r * r for r in distances))
-    if not gather or dist.get_world_size(group) == 1:
+    world_size, _ = group_size_rank(group)
+    if not gather or world_size == 1:
         return mine, mine
-    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(group))]
+    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(gathered, torch.tensor([mine], dtype=torch.float64), group=group)
     return float(torch.cat(gathered).mean()), float(torch.cat(gathered).max())
 
 
 @torch.no_grad()
 def round_flags(
-    params: list[torch.Tensor], buffers: list[torch.Tensor], group: dist.ProcessGroup, step: int, stats: CommStats
-) -> tuple[list[torch.Tensor], list[int]]:
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    step: int,
+    stats: CommStats,
+    *,
+    settings: int = 0,
+    unchecked: bool = False,
+) -> tuple[list[torch.Tensor], list[int], bool]:
     """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
-    ``buffers``): one all-gather, after checking that every rank is at the same step with the
-    same parameter shapes (else ``VoteMismatchError`` on every rank)."""
+    ``buffers``, whether any rank is ``unchecked``): one all-gather, after checking that every
+    rank is at the same step with the same parameter shapes and ``settings`` digest (else
+    ``VoteMismatchError`` on every rank)."""
     device = params[0].device if params else "cpu"
     layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
-    agree({"step": step, "parameters": len(params), "layout": layout}, group, what="a DPPF round", device=device, stats=stats)
-    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then the buffers' row.
+    fields = {"step": step, "parameters": len(params), "layout": layout, "settings": settings}
+    agree(fields, group, what="a DPPF round", device=device, stats=stats)
+    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
     flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
+    flags[-1, 0] = int(unchecked)
     if params:
         flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
         flags[:-1, 1] = torch.stack([nonfinite_flag(p.detach()).to(device) for p in params])
@@ -373,7 +392,7 @@ def round_flags(
     gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
     used = gathered[:, :-1, 0].any(dim=0)  # [P]
     bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
-    return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist()
+    return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist(), bool(gathered[:, -1, 0].any())
 
 
 def _describe(factory: Any) -> str:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import CommStats, NodeLayout, VoteConfig, majority_vote
-from signmuon.comm_hooks.dist import agree, mean_all_reduce, tensor_fingerprint
+from signmuon.comm_hooks.dist import agree, group_size_rank, mean_all_reduce, tensor_fingerprint
 from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_sign_allreduce
 
 __all__ = ["OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "combine_pseudo_gradients"]
@@ -174,7 +174,7 @@ class Consensus:
         if outer.pseudo_gradient == "sign_vote_ef":
             self.errors = [(torch.zeros_like(c),) for c in self.tensors]
         if outer.pseudo_gradient == "scaled_sign":
-            ranks = dist.get_world_size(_exchange_group(group, layout)) if dist.is_initialized() else 1
+            ranks, _ = group_size_rank(_exchange_group(group, layout))
             for c in self.tensors:
                 worker, server = error_buffer_sizes(c.numel(), ranks)
                 self.errors.append((c.new_zeros(worker), c.new_zeros(server)))

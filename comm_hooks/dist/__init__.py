@@ -9,7 +9,7 @@ from .consistency import (
     settings_digest,
     tensor_fingerprint,
 )
-from .groups import NonFiniteError, VoteMismatchError, agree, gather_rows, group_size_rank
+from .groups import NonFiniteError, VoteMismatchError, agree, control_device, gather_rows, group_size_rank
 from .stats import CommStats
 from .tensors import flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
 
@@ -22,6 +22,7 @@ __all__ = [
     "agree",
     "check_replicas",
     "check_same_settings",
+    "control_device",
     "flatten",
     "gather_rows",
     "group_size_rank",

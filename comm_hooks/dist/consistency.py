@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .groups import VoteMismatchError, gather_rows, group_size_rank
+from .groups import VoteMismatchError, control_device, gather_rows, group_size_rank
 
 __all__ = [
     "ReplicaDivergenceError",
@@ -73,7 +73,7 @@ def check_same_settings(
     if world_size == 1:
         return
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        device = control_device(group)
     digests = gather_rows(torch.tensor([settings_digest(settings)], dtype=torch.int64, device=device), group)
     digests = digests.view(-1).tolist()
     differing = [r for r, d in enumerate(digests) if d != digests[0]]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .stats import CommStats
 
-__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "gather_rows", "group_size_rank"]
+__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "control_device", "gather_rows", "group_size_rank"]
 
 
 class NonFiniteError(RuntimeError):
@@ -22,10 +22,27 @@ class VoteMismatchError(ValueError):
 
 
 def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(world size, rank) of ``group``; without an initialised default group the caller is alone."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    """(world size, rank) of ``group``; without an initialised default group the caller is alone.
+
+    A group object answers for itself, so groups made outside ``torch.distributed``'s registry
+    work too. torchft's reconfigurable groups answer ``size()`` for the current quorum but
+    ``rank()`` from their construction: their current inner group (``parent``) knows the rank."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, 0
+        return dist.get_world_size(), dist.get_rank()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return dist.get_world_size(group), dist.get_rank(group)
+    return group.size(), getattr(group, "parent", group).rank()
+
+
+def control_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where ``group``'s small control tensors live: the current GPU under NCCL, else the CPU."""
+    try:
+        backend = dist.get_backend(group)
+    except ValueError:  # outside torch.distributed's registry (torchft's groups): the group names itself
+        backend = group.getBackendName() if hasattr(group, "getBackendName") else group.name()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
 def gather_rows(
