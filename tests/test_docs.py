@@ -23,3 +23,4 @@ def test_docs_site_builds_strict(tmp_path):
     assert "Reduce gradients with" in api and "gradient-accumulation window" in api
     frameworks = (site / "api" / "integrations" / "index.html").read_text()
     assert "SignDDPStrategy" in frameworks and "register_comm_hook" in frameworks and "SignTrainerMixin" in frameworks
+    assert "FaultTolerantRounds" in frameworks

@@ -5,6 +5,7 @@ import functools
 import math
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -436,3 +437,150 @@ def test_diloco_equals_torchft_step_for_step():
             )
     assert not torch.equal(theirs[0][1], theirs[1][1])  # the replicas do train apart between rounds
     assert torch.equal(theirs[0][H - 1], theirs[1][H - 1])  # and meet at each round
+
+
+# --- rounds under torchft's Manager: a replica group lost, then healed ---------------------------
+
+KILL_AT, FT_STEPS = 2 * H, 24  # replica 1 dies inside its round after step KILL_AT (its second)
+
+
+class _OuterThatMayDie(torch.optim.SGD):
+    """DiLoCo's outer SGD; in the replica that is to die, its second round's step kills the
+    process: after the pseudo-gradients were exchanged, before the round ends, so the survivor
+    has stepped its consensus and parameters when the round fails and must roll them back."""
+
+    dies = False
+
+    def step(self, closure=None):
+        self.taken = getattr(self, "taken", 0) + 1
+        if self.dies and self.taken == KILL_AT // H:
+            os._exit(17)  # a crash: no shutdown
+        return super().step(closure)
+
+
+def _fault_tolerant_replica(replica, lighthouse, out_dir, life, ready, rejoiner_up):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    from signmuon.integrations.torchft import FaultTolerantRounds
+
+    torch.set_num_threads(1)
+    model = _model()
+    inner = _inner(model)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None, replica_id=str(replica), store_addr="localhost",
+        store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, port=0, timeout=timedelta(seconds=30),
+        use_async_quorum=False, init_sync=False,
+    )  # fmt: skip
+    _OuterThatMayDie.dies = replica == 1 and life == "first"
+    outer = OuterStep(optimizer=functools.partial(_OuterThatMayDie, lr=0.7, momentum=0.9, nesterov=True))
+    averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model, process_group=pg)
+    if life == "rejoined":
+        rejoiner_up.set()
+    else:
+        ready.wait()  # both heartbeat before the first quorum
+    rounds = FaultTolerantRounds(manager, averager, inner)
+    record = {"joined_at": rounds.steps_done, "at_join": _flat(model).clone(), "rounds": []}
+    path = os.path.join(out_dir, f"{replica}-{life}.pt")
+    waited = False
+    while rounds.steps_done < FT_STEPS:
+        step = rounds.steps_done
+        if replica == 0 and rounds.rounds_failed and not waited:  # let the rejoiner ask for the next quorum
+            assert rejoiner_up.wait(120)
+            time.sleep(0.5)
+            waited = True
+        inner.zero_grad()
+        _loss(model, _batch(replica, step)).backward()
+        inner.step()
+        committed = rounds.step()
+        if committed is not None:
+            record["rounds"].append((step + 1, committed, manager.num_participants(), _flat(model).clone()))
+            torch.save(record, path)  # the dying replica's record stands as of its last round
+    record.update(heals=rounds.heals, failed=rounds.rounds_failed, error=repr(rounds.last_error))
+    manager.shutdown(wait=False)
+    torch.save(record, path)
+
+
+def _run_lost_replica():
+    import multiprocessing
+
+    from torchft.coordination import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "error")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    ctx = multiprocessing.get_context("spawn")
+    ready, rejoiner_up = ctx.Barrier(2), ctx.Event()
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            start = lambda r, life: ctx.Process(  # noqa: E731
+                target=_fault_tolerant_replica, args=(r, lighthouse.address(), out_dir, life, ready, rejoiner_up)
+            )
+            procs = [start(0, "first"), start(1, "first")]
+            for p in procs:
+                p.start()
+            procs[1].join(timeout=180)
+            assert procs[1].exitcode == 17, procs[1].exitcode
+            procs.append(start(1, "rejoined"))
+            procs[-1].start()
+            for p in (procs[0], procs[2]):
+                p.join(timeout=180)
+            assert [procs[0].exitcode, procs[2].exitcode] == [0, 0]
+            return {name[:-3]: torch.load(os.path.join(out_dir, name)) for name in os.listdir(out_dir)}
+    finally:
+        lighthouse.shutdown()
+
+
+def _lost_replica_reference(failed_at, joined_at):
+    """Each replica's flat parameters after every round: DiLoCo on both until replica 1 dies in
+    the round after step KILL_AT; that round rolled back (the survivor keeps its local steps);
+    rounds of the survivor alone; at ``joined_at`` replica 1 takes the survivor's whole state."""
+    import copy
+
+    models = [_model(), _model()]
+    inners = [_inner(m) for m in models]
+    consensus = _flat(models[0]).clone()
+    outer = torch.optim.SGD([consensus], lr=0.7, momentum=0.9, nesterov=True)
+    after = {0: {}, 1: {}}
+    for step in range(FT_STEPS):
+        if step == joined_at:
+            models[1] = copy.deepcopy(models[0])
+            inners[1] = _inner(models[1])
+            inners[1].load_state_dict(copy.deepcopy(inners[0].state_dict()))
+        alive = [0, 1] if step < KILL_AT or step >= joined_at else [0]
+        for w in alive:
+            inners[w].zero_grad()
+            _loss(models[w], _batch(w, step)).backward()
+            inners[w].step()
+        if step + 1 == failed_at:  # rolled back: the survivor's own parameters stand
+            after[0][step + 1] = _flat(models[0]).clone()
+        if (step + 1) % H or step + 1 == failed_at:
+            continue
+        consensus.grad = sum(consensus - _flat(models[w]) for w in alive) / len(alive)
+        outer.step()
+        for w in alive:
+            torch.nn.utils.vector_to_parameters(consensus.clone(), models[w].parameters())
+            after[w][step + 1] = consensus.clone()
+    return after
+
+
+def test_rounds_go_on_without_a_lost_replica_and_heal_it_when_it_returns():
+    runs = _run_lost_replica()
+    survivor, died, back = runs["0-first"], runs["1-first"], runs["1-rejoined"]
+    failed = [r for r in survivor["rounds"] if not r[1]]
+    assert survivor["failed"] == 1 and len(failed) == 1, survivor["rounds"]
+    failed_at = failed[0][0]
+    assert failed_at == KILL_AT, failed_at  # the round it died in
+    assert back["heals"] == 1 and back["joined_at"] % H == 0 and back["joined_at"] > failed_at, back["joined_at"]
+    reference = _lost_replica_reference(failed_at, back["joined_at"])
+    for record, replica in ((survivor, 0), (died, 1), (back, 1)):
+        for step, committed, participants, params in record["rounds"]:
+            next_quorum = 1 if failed_at <= step < back["joined_at"] else 2  # the quorum begun after this round
+            assert participants == next_quorum, (replica, step, participants)
+            torch.testing.assert_close(params, reference[replica][step], rtol=1e-6, atol=1e-7, msg=f"replica {replica} step {step}")
+    # The rejoiner starts from the survivor's consensus, at the survivor's step.
+    torch.testing.assert_close(back["at_join"], reference[0][back["joined_at"]], rtol=1e-6, atol=1e-7)
+    assert [r[0] for r in back["rounds"]] == [s for s, *_ in survivor["rounds"] if s > back["joined_at"]]
