@@ -13,6 +13,8 @@ Commands:
   dppf-sweep      DPPF against local SGD: a pull/push grid per averaging period, over seeds
   ns-precision    signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost
   plan            an α–β model: bytes and step time per method on a cluster, speed-up, crossover
+  zero-structure  where a ReLU model's exact zeros lie, and what coding them by rows and columns costs
+  lost-node       DiLoCo rounds under torchft's Manager: a replica group killed, then healed
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ COMMANDS = {
     "dppf-sweep": "dppf_sweep",
     "plan": "plan",
     "zero-structure": "zero_structure",
+    "lost-node": "lost_node",
 }
 DEMO = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon",
         "dppf_8", "--plot", "demo_curves.png"]  # fmt: skip
