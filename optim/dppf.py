@@ -16,6 +16,8 @@ With ``outer=OuterStep(...)`` a round steps a shared consensus with the workers'
 pseudo-gradients (DiLoCo; :mod:`signmuon.optim.rounds`), and x_bar above is that new
 consensus: ``pull=1, push=0, outer=OuterStep.diloco()`` is DiLoCo. With ``layout=`` rounds are
 node-aware: the ranks of a node all-reduce every step, and only rails talk between nodes.
+On a model sharded by FSDP2 inside each node, rounds run on each rank's shard over its rail
+(``process_group=mesh["node"].get_group()``): the ranks that hold the same shard.
 
 Typical use, with torch's post-local-SGD machinery unchanged (see :func:`local_sgd`)::
 
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+from torch.distributed.tensor import DTensor
 
 from signmuon.comm_hooks import NodeLayout
 from signmuon.comm_hooks.dist import (
@@ -56,6 +59,7 @@ from signmuon.comm_hooks.dist import (
 )
 
 from .rounds import Consensus, OuterStep, average_over_nodes
+from .sign_vote import local_tensor
 
 __all__ = ["DPPFAverager", "local_sgd", "register_local_sgd_hook", "DISTANCES"]
 
@@ -102,6 +106,15 @@ class DPPFAverager(ModelAverager):
         layout: node-aware rounds (:func:`signmuon.comm_hooks.node_layout`, at least two nodes):
             :func:`local_sgd` all-reduces gradients inside each node every step, and a round
             sends only each local rank's 1/L slice, over its rail.
+
+    Sharded models: where ``module`` is sharded by FSDP2 over each node
+    (``fully_shard(..., mesh=node_mesh()["local"])``), every step is FSDP2's inside the node and
+    the rounds run on this rank's shard of each parameter (its consensus and outer state are a
+    shard too): pass ``process_group=mesh["node"].get_group()``, the ranks holding the same
+    shard on the other nodes, and call ``average_parameters`` after each optimizer step. A
+    group that holds two shards of one parameter is refused, and so is ``push`` (a worker's
+    distance would be one shard's). ``mean_distance`` and ``max_distance`` are then this
+    shard's.
 
     Each round starts with two small all-gathers that make it safe against what differs between
     ranks: the step counter, parameter count and shapes must agree (else ``VoteMismatchError``
@@ -166,8 +179,10 @@ class DPPFAverager(ModelAverager):
         self.layout = _check_layout(layout)
         self.outer = outer
         self.consensus = None
+        if module is not None:
+            _check_shards(module, self.process_group, self.push, self.layout)
         if outer is not None:
-            params = [p for p in module.parameters() if p.requires_grad]
+            params = [local_tensor(p) for p in module.parameters() if p.requires_grad]
             self.consensus = Consensus(_by_dtype_and_device(params), outer, self.process_group, self.layout)
             self._consensus_checked = False  # compared at the first round after construction or a load
 
@@ -192,7 +207,7 @@ class DPPFAverager(ModelAverager):
         params = _all_params(params)
         if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
             params = self._in_module_order(params)
-            groups = _by_dtype_and_device(params)
+            groups = _by_dtype_and_device(local_tensor(p) for p in params)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
                 self.consensus.reset([flatten(tensors) for tensors in groups])
         if self.is_round():
@@ -248,6 +263,7 @@ class DPPFAverager(ModelAverager):
         group = self.process_group
         if dist._rank_not_in_group(group):
             return
+        params = [local_tensor(p) for p in params]  # FSDP2: this rank's shards
         self.stats.calls += 1
         distances = []
         groups = _by_dtype_and_device(params)
@@ -290,7 +306,7 @@ class DPPFAverager(ModelAverager):
             names = {p: name for name, p in module.named_parameters()}
             params = [p for p in module.parameters() if p.requires_grad]
             for tensors, whole in zip(_by_dtype_and_device(params), self.consensus.whole()):
-                unflatten_into(whole, [state[names[p]] for p in tensors])
+                unflatten_into(whole, [local_tensor(state[names[p]]) for p in tensors])
                 from_consensus.update(names[p] for p in tensors)
         floats = [v for k, v in state.items() if v.is_floating_point() and k not in from_consensus]
         for tensors in _by_dtype_and_device(floats):
@@ -386,7 +402,7 @@ def round_flags(
     flags[-1, 0] = int(unchecked)
     if params:
         flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
-        flags[:-1, 1] = torch.stack([nonfinite_flag(p.detach()).to(device) for p in params])
+        flags[:-1, 1] = torch.stack([nonfinite_flag(local_tensor(p).detach()).to(device) for p in params])
     if buffers:
         flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
     gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
@@ -401,6 +417,26 @@ def _describe(factory: Any) -> str:
     if isinstance(factory, functools.partial):
         return f"{_describe(factory.func)}{factory.args}{sorted(factory.keywords.items())}"
     return f"{getattr(factory, '__module__', '')}.{getattr(factory, '__qualname__', type(factory).__name__)}"
+
+
+def _check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layout: NodeLayout | None) -> None:
+    """Refuse rounds over ranks that hold different shards of a parameter (FSDP2's DTensors)."""
+    sharded = [p for p in module.parameters() if p.requires_grad and isinstance(p, DTensor)]
+    if not sharded:
+        return
+    if push or layout is not None:
+        raise ValueError(
+            "a model sharded by FSDP2: rounds run on each rank's shards over its rail; push (a worker's distance "
+            "would be one shard's) and layout= (FSDP2 already runs the node) do not apply"
+        )
+    group_ranks = set(dist.get_process_group_ranks(group))
+    for p in sharded:
+        holders = set(p.device_mesh.mesh.reshape(-1).tolist())  # the ranks sharing this parameter
+        if len(holders & group_ranks) > 1:
+            raise ValueError(
+                f"the rounds' process group holds {len(holders & group_ranks)} shards of one FSDP2 parameter: average "
+                "over the ranks that hold the same shard, process_group=mesh['node'].get_group() of node_mesh()"
+            )
 
 
 def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:

@@ -584,3 +584,48 @@ def test_rounds_go_on_without_a_lost_replica_and_heal_it_when_it_returns():
     # The rejoiner starts from the survivor's consensus, at the survivor's step.
     torch.testing.assert_close(back["at_join"], reference[0][back["joined_at"]], rtol=1e-6, atol=1e-7)
     assert [r[0] for r in back["rounds"]] == [s for s, *_ in survivor["rounds"] if s > back["joined_at"]]
+
+
+# --- rounds on FSDP2's shards: FSDP2 inside each node, rounds between nodes ---------------------
+
+
+def _fsdp_rounds_worker(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from signmuon.optim import node_mesh
+
+    mesh = node_mesh(2)  # 2 nodes x 2 ranks
+    model = _model()
+    fully_shard(model, mesh=mesh["local"])  # FSDP2 averages the node's gradients every step
+    inner = _inner(model)
+    refused = (
+        capture(lambda: DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)),  # WORLD: 2 shards each
+        capture(lambda: DPPFAverager(period=H, pull=0.5, push=0.05, module=model, process_group=mesh["node"].get_group())),
+    )
+    averager = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model, process_group=mesh["node"].get_group())
+    history = []
+    for step in range(STEPS):
+        inner.zero_grad()
+        _loss(model, _batch(rank, step)).backward()
+        inner.step()
+        averager.average_parameters(model.parameters())
+        history.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+    state = averager.consensus_state_dict(model)
+    consensus = torch.cat([state[name].full_tensor().reshape(-1) for name, _ in model.named_parameters()])
+    shard = sum(c.numel() for c in averager.consensus.tensors)
+    return history, consensus, shard, refused, averager.stats.bytes_sent
+
+
+def test_rounds_on_fsdp2_shards_equal_the_node_level_reference():
+    results = run_distributed(_fsdp_rounds_worker, 4)
+    expected = _node_reference(2, 2, STEPS)
+    numel = expected[0][0].numel()
+    for rank, (history, consensus, shard, refused, sent) in enumerate(results):
+        for step, got in enumerate(history):
+            torch.testing.assert_close(got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+        torch.testing.assert_close(consensus, expected[STEPS - STEPS % H - 1][0], rtol=1e-5, atol=1e-6)
+        assert 0 < shard < numel  # each rank keeps the consensus of its shard only
+        assert "holds 2 shards" in refused[0] and "push" in refused[1], refused
+        rounds_ring = (STEPS // H) * shard * 4  # two nodes: a round sends this rank's shard once
+        assert rounds_ring <= sent < rounds_ring + 4096, (sent, rounds_ring)
+    assert sum(r[2] for r in results[:2]) == numel  # a node's two shards make the whole model
