@@ -231,7 +231,9 @@ class DPPFAverager(ModelAverager):
         settings = {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
                                                             "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
         nodes = None if self.layout is None else (self.layout.nodes, self.layout.ranks_per_node)
-        outer = None if self.outer is None else (self.outer.pseudo_gradient, _describe(self.outer.optimizer), repr(self.outer.vote))
+        outer = None if self.outer is None else (
+            self.outer.pseudo_gradient, _describe(self.outer.optimizer), repr(self.outer.vote), self.outer.scale_block
+        )
         return {**settings, "outer": outer, "layout": nodes}
 
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -56,7 +56,14 @@ class OuterStep:
     (each computes the vote); from three on, the entries left at zero travel back, up to a
     second bit per entry: ``tie="fast"`` keeps one bit."""
 
+    scale_block: int = 0
+    """Entries per scale of ``"sign_vote"`` and ``"sign_vote_ef"``: 0 scales each tensor as a
+    whole; ``B`` scales each run of ``B`` entries of a tensor on its own (a 32-bit scale per
+    block: ``32/B`` bits per entry more), so the voted signs keep more of the magnitudes."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) or self.scale_block < 0:
+            raise ValueError(f"OuterStep.scale_block={self.scale_block!r} must be an int >= 0 (0: one scale per tensor)")
         if not callable(self.optimizer):
             raise ValueError(
                 f"OuterStep.optimizer={self.optimizer!r} must build an optimizer from a list of tensors, "
@@ -203,7 +210,7 @@ class Consensus:
             lo, hi, _ = _rail_bounds(flat.numel(), self.layout)
             delta = c - flat[lo:hi]
             c.grad = combine_pseudo_gradients(
-                delta, self.outer.pseudo_gradient, group, stats, segments=_segments(self.sizes[i], lo, hi),
+                delta, self.outer.pseudo_gradient, group, stats, segments=_segments(self.sizes[i], lo, hi, self.outer.scale_block),
                 errors=self.errors[i] if self.errors else (), vote=self.outer.vote, step=self.rounds,
             )  # fmt: skip
         self.optimizer.step()
@@ -246,12 +253,15 @@ class Consensus:
         self.rounds = int(state["rounds"])
 
 
-def _segments(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
-    """Each tensor's (start, stop) inside the slice [lo, hi) of the flat group, empty ones left out."""
+def _segments(sizes: list[int], lo: int, hi: int, block: int = 0) -> list[tuple[int, int]]:
+    """Each tensor's (start, stop) inside the slice [lo, hi) of the flat group, empty ones left
+    out; with ``block``, each tensor's runs of ``block`` entries (counted from its start)."""
     found, start = [], 0
     for size in sizes:
-        a, b = max(start, lo), min(start + size, hi)
-        if b > a:
-            found.append((a - lo, b - lo))
+        step = block or size
+        for at in range(start, start + size, max(step, 1)):
+            a, b = max(at, lo), min(at + step, start + size, hi)
+            if b > a:
+                found.append((a - lo, b - lo))
         start += size
     return found

@@ -54,13 +54,15 @@ def _sign_vote_combine(deltas, sizes):
     return torch.cat(out)
 
 
-def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean"):
-    """Each worker's flat parameters after every step."""
+def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean", block=0):
+    """Each worker's flat parameters after every step (``block``: entries per scale of the vote)."""
     models = [_model() for _ in range(workers)]
     inners = [_inner(m) for m in models]
     consensus = _flat(models[0]).clone()
     outer = torch.optim.SGD([consensus], lr=outer_lr, momentum=momentum, nesterov=True)
     sizes = [p.numel() for p in models[0].parameters()]
+    if block:  # each tensor's runs of `block` entries scale on their own
+        sizes = [min(block, size - at) for size in sizes for at in range(0, size, block)]
     errors = None
     history = []
     for step in range(steps):
@@ -97,14 +99,14 @@ def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, pus
     return history
 
 
-def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False):
+def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, block=0):
     model = _model()
     params = list(model.parameters())  # grouped: out of module order, as Muon's groups are
     given = [{"params": params[::2]}, {"params": params[1::2][::-1]}] if grouped else params
     inner = _inner(model)
     outer = OuterStep(
         optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), pseudo_gradient=combine,
-        vote=VoteConfig(tie="exact"),
+        vote=VoteConfig(tie="exact"), scale_block=block,
     )  # fmt: skip
     averager = DPPFAverager(period=H, pull=pull, push=push, outer=outer, module=model)
     history = []
@@ -148,11 +150,11 @@ def test_the_parameters_may_come_in_another_order_and_grouping():
         torch.testing.assert_close(history[-1], expected[-1][rank], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("combine", ["sign_vote", "sign_vote_ef", "scaled_sign"])
-def test_one_bit_rounds_equal_the_reference(combine):
+@pytest.mark.parametrize("combine, block", [("sign_vote", 0), ("sign_vote_ef", 0), ("scaled_sign", 0), ("sign_vote_ef", 5)])
+def test_one_bit_rounds_equal_the_reference(combine, block):
     workers = 3
-    results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS)
-    expected = _reference(workers, STEPS, H, combine=combine)
+    results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS, False, block)
+    expected = _reference(workers, STEPS, H, combine=combine, block=block)
     for rank, (history, _, _, _) in enumerate(results):
         for step, got in enumerate(history):
             torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
