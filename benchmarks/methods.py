@@ -85,6 +85,8 @@ class TrainConfig:
     """The DiLoCo methods' outer learning rate (DiLoCo's 0.7)."""
     outer_momentum: float = 0.9
     """The DiLoCo methods' outer Nesterov momentum (DiLoCo's 0.9; 0 is plain SGD)."""
+    outer_scale_block: int = 0
+    """Entries per scale of the one-bit rounds' voted signs (``OuterStep.scale_block``; 0: per tensor)."""
     strategy: str = "ddp"
     """``ddp`` (replicas) or ``fsdp``: FSDP2's ``fully_shard`` per block; ``adamw`` shards over
     every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes."""
@@ -302,6 +304,33 @@ def _fsdp(make_opt=None, optimizer: type | None = None, **options) -> Method:
     return build
 
 
+def _fsdp_rounds(period: int, pseudo_gradient: str = "mean") -> Method:
+    """AdamW on a model sharded over each node by FSDP2 (its reduce-scatter every step), and
+    DiLoCo's rounds between nodes on each rank's shard, over its rail."""
+
+    def build(net: nn.Module, config: TrainConfig) -> Setup:
+        device = next(net.parameters()).device
+        mesh = node_mesh(config.ranks_per_node, device_type=device.type)
+        shard_blocks(net, mesh["local"])
+        opt = _adamw(net.parameters(), config.lr_scale)
+        outer = OuterStep(
+            optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
+                                        nesterov=config.outer_momentum > 0),
+            pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block,
+        )  # fmt: skip
+        averager = DPPFAverager(period, pull=1.0, outer=outer, module=net, process_group=mesh["node"].get_group())
+        per_step = fsdp_traffic(sum(p.numel() for p in net.parameters()), mesh.shape[1])
+
+        def after_step(*_) -> None:
+            averager.stats.add(per_step, per_step, inside_node=True)
+            averager.average_parameters(net.parameters())
+
+        opt.register_step_post_hook(after_step)
+        return Setup(model=net, optimizer=opt, stats=averager.stats, averager=averager)
+
+    return build
+
+
 LOCAL_SGD_PULL_PUSH = (1.0, 0.0)  # (pull, push) of plain periodic averaging
 
 
@@ -346,7 +375,7 @@ def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0
         outer = None if pseudo_gradient is None else OuterStep(
             optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
                                         nesterov=config.outer_momentum > 0),
-            pseudo_gradient=pseudo_gradient,
+            pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block,
         )  # fmt: skip
         averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout)
         params = muon_param_groups(net) if inner is _muon_adamw else model.parameters()
@@ -402,4 +431,7 @@ FSDP_METHODS: dict[str, Method] = {
     "signsgd_mv": _fsdp(optimizer=SignSGDMV, lr=1e-3),
     "signum_mv": _fsdp(optimizer=SignumMV, lr=1e-3, momentum=0.9),
     "signmuon": _fsdp(optimizer=SignMuon, lr=2e-3),
+    "diloco_8": _fsdp_rounds(8),
+    "diloco_32": _fsdp_rounds(32),
+    "diloco_vote_ef_8": _fsdp_rounds(8, pseudo_gradient="sign_vote_ef"),
 }

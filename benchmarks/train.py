@@ -114,7 +114,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                 dist.all_reduce(worker_acc)
                 entry["worker_acc"] = worker_acc.item() / world_size
                 consensus = task.make_model().to(device)
-                consensus.load_state_dict(setup.averager.consensus_state_dict(_network(model)))
+                consensus.load_state_dict({k: _whole(v) for k, v in setup.averager.consensus_state_dict(_network(model)).items()})
                 entry.update(evaluate(consensus, task))
             log.append(entry)
             eval_seconds += time.perf_counter() - eval_start
@@ -124,7 +124,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "method": method,
         "strategy": config.strategy,
         "vote_zeros": config.vote_zeros,
-        "outer": [config.outer_lr, config.outer_momentum],
+        "outer": [config.outer_lr, config.outer_momentum, config.outer_scale_block],
         "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
         "seed": config.seed,
@@ -144,7 +144,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         result["worker_acc"] = log[-1]["worker_acc"]
         result["rounds"] = setup.averager.rounds
         result["mean_distance"] = setup.averager.mean_distance
-        result["final_state"] = {k: v.cpu() for k, v in setup.averager.consensus_state_dict(_network(model)).items()}
+        result["final_state"] = {k: _whole(v).cpu() for k, v in setup.averager.consensus_state_dict(_network(model)).items()}
     else:
         result["rounds"] = config.steps  # gradient communication every step
         result["final_state"] = {k: _whole(v).detach().cpu().clone() for k, v in _network(model).state_dict().items()}
@@ -381,6 +381,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the DiLoCo methods' outer learning rate (default: %(default)s, DiLoCo's)")
     parser.add_argument("--outer-momentum", type=float, default=TrainConfig.outer_momentum,
                         help="the DiLoCo methods' outer Nesterov momentum (default: %(default)s, DiLoCo's)")
+    parser.add_argument("--outer-scale-block", type=int, default=0,
+                        help="entries per scale of the one-bit rounds' voted signs (0: one scale per tensor)")
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
     parser.add_argument("--lr-scale", type=float, default=1.0,
@@ -418,7 +420,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
         lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy, vote_zeros=args.vote_zeros,
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, outer_scale_block=args.outer_scale_block,
     )  # fmt: skip
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():

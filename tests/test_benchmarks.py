@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -171,7 +172,7 @@ def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
     from signmuon.benchmarks import train
 
     argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "20", "--eval-every", "20", "--no-progress"]
-    results = train.main(argv + ["--strategy", "fsdp", "--methods", "adamw", "signmuon"])
+    results = train.main(argv + ["--strategy", "fsdp", "--methods", "adamw", "signmuon", "diloco_8"])
     # One seed with adamw: the table ends with the projected time to adamw's own final loss.
     out = capsys.readouterr().out
     projected = next(line for line in out.splitlines() if line.strip().startswith("adamw") and len(line.split()) == 4)
@@ -179,12 +180,18 @@ def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
     assert [float(v) for v in projected.split()[1:]] == [
         pytest.approx(entry["time_s"] + 8 * entry["bytes"] / bps, abs=0.051) for bps in train.PROJECTED_RATES.values()
     ]
-    adamw, signmuon = results
+    adamw, signmuon, diloco = results
     assert {r["strategy"] for r in results} == {"fsdp"}
-    assert all(r["log"][-1]["test_loss"] < r["log"][0]["train_loss"] for r in results), "both learn"
+    assert all(r["log"][-1]["test_loss"] < r["log"][0]["train_loss"] for r in (adamw, signmuon)), "both learn"
+    assert diloco["log"][-1]["test_loss"] < math.log(10) - 0.3, "the consensus learns (chance: log 10)"
     # The vote's traffic between nodes is a few % of the sharded fp32 baseline's (all of which crosses).
     assert signmuon["bytes_between_nodes_per_rank"] < 0.1 * adamw["bytes_between_nodes_per_rank"]
-    assert all(v.shape == torch.Size(s.shape) for v, s in zip(signmuon["final_state"].values(), adamw["final_state"].values()))
+    for other in (signmuon, diloco):
+        assert all(v.shape == torch.Size(s.shape) for v, s in zip(other["final_state"].values(), adamw["final_state"].values()))
+    # DiLoCo's rounds after steps 8 and 16, each sending this rank's shard (half the model) over its rail.
+    numel = sum(v.numel() for v in adamw["final_state"].values() if v.is_floating_point())
+    assert diloco["rounds"] == 2
+    assert 2 * numel * 4 // 2 <= diloco["bytes_between_nodes_per_rank"] < 2 * numel * 4 // 2 + 8192
     with pytest.raises(SystemExit):
         train.main(argv + ["--strategy", "fsdp", "--methods", "dppf_8"])
 
