@@ -89,7 +89,8 @@ class TrainConfig:
     """Entries per scale of the one-bit rounds' voted signs (``OuterStep.scale_block``; 0: per tensor)."""
     strategy: str = "ddp"
     """``ddp`` (replicas) or ``fsdp``: FSDP2's ``fully_shard`` per block; ``adamw`` shards over
-    every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes."""
+    every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes, the
+    DiLoCo methods over each node with rounds between nodes."""
 
 
 @dataclasses.dataclass(kw_only=True)

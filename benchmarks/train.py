@@ -375,8 +375,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vote-zeros", default="abstain", choices=ZERO_RULES,
                         help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)")
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
-                        help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank, "
-                        f"{', '.join(m for m in FSDP_METHODS if m != 'adamw')} over each node, voting between nodes)")
+                        help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank; "
+                        f"{', '.join(m for m in FSDP_METHODS if m != 'adamw' and not m.startswith('diloco'))} over each node, "
+                        f"voting between nodes; {', '.join(m for m in FSDP_METHODS if m.startswith('diloco'))} over each node, "
+                        "rounds between nodes)")
     parser.add_argument("--outer-lr", type=float, default=TrainConfig.outer_lr,
                         help="the DiLoCo methods' outer learning rate (default: %(default)s, DiLoCo's)")
     parser.add_argument("--outer-momentum", type=float, default=TrainConfig.outer_momentum,
