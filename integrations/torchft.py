@@ -12,8 +12,11 @@ one process group over the replicas of each quorum. :class:`FaultTolerantRounds`
   optimizer and the averager (the consensus, the outer optimizer, the step), so it rejoins from
   the consensus, at the survivors' step.
 
-Inside a replica group, each step is the user's own (one process, or DDP/FSDP2 over its
-ranks); only the rounds cross between groups. Use::
+Inside a replica group each step is the user's own. With FSDP2 over the group's ranks, torchft's
+group of local rank l joins the ranks holding shard l in every replica group, so each rank's
+round carries its shard only (the consensus and outer state are shards, and a healing rank
+loads its shard from the same local rank of a survivor). With DDP inside the group every rank
+would carry the whole model on its own group: correct, but L times the bytes. Use::
 
     from torchft import Manager, ProcessGroupGloo
     from signmuon.integrations.torchft import FaultTolerantRounds

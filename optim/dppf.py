@@ -431,7 +431,10 @@ def _check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layo
             "a model sharded by FSDP2: rounds run on each rank's shards over its rail; push (a worker's distance "
             "would be one shard's) and layout= (FSDP2 already runs the node) do not apply"
         )
-    group_ranks = set(dist.get_process_group_ranks(group))
+    try:
+        group_ranks = set(dist.get_process_group_ranks(group))
+    except KeyError:  # outside the registry: torchft's groups join one local rank of each replica group, one shard
+        return
     for p in sharded:
         holders = set(p.device_mesh.mesh.reshape(-1).tolist())  # the ranks sharing this parameter
         if len(holders & group_ranks) > 1:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.harness import capture, compressed_allreduce_reference, run_distributed, vote_reference
@@ -460,7 +461,8 @@ class _OuterThatMayDie(torch.optim.SGD):
         return super().step(closure)
 
 
-def _fault_tolerant_replica(replica, lighthouse, out_dir, life, ready, rejoiner_up):
+def _fault_tolerant_replica(replica, local_rank, per_node, lighthouse, out_dir, life, ready, rejoiner_up):
+    """One rank of a replica group of ``per_node`` ranks (FSDP2 over the group when more than one)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -470,13 +472,23 @@ def _fault_tolerant_replica(replica, lighthouse, out_dir, life, ready, rejoiner_
 
     torch.set_num_threads(1)
     model = _model()
+    if per_node > 1:  # the group's own process group, its FSDP2, and the Manager's store shared in it
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/group{replica}-{life}", rank=local_rank, world_size=per_node)
+        fully_shard(model, mesh=init_device_mesh("cpu", (per_node,)))
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if local_rank == 0 else None
+    port = torch.tensor([store.port if store is not None else 0])
+    if per_node > 1:
+        dist.broadcast(port, 0)
+        store = store or TCPStore("localhost", int(port), is_master=False)
     inner = _inner(model)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None, replica_id=str(replica), store_addr="localhost",
-        store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, port=0, timeout=timedelta(seconds=30),
-        use_async_quorum=False, init_sync=False,
+        store_port=int(port), rank=local_rank, world_size=per_node, lighthouse_addr=lighthouse, port=0,
+        timeout=timedelta(seconds=30), use_async_quorum=False, init_sync=False,
     )  # fmt: skip
     _OuterThatMayDie.dies = replica == 1 and life == "first"
     outer = OuterStep(optimizer=functools.partial(_OuterThatMayDie, lr=0.7, momentum=0.9, nesterov=True))
@@ -486,8 +498,9 @@ def _fault_tolerant_replica(replica, lighthouse, out_dir, life, ready, rejoiner_
     else:
         ready.wait()  # both heartbeat before the first quorum
     rounds = FaultTolerantRounds(manager, averager, inner)
-    record = {"joined_at": rounds.steps_done, "at_join": _flat(model).clone(), "rounds": []}
-    path = os.path.join(out_dir, f"{replica}-{life}.pt")
+    whole = lambda: torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]) if per_node > 1 else _flat(model).clone()  # noqa: E731
+    record = {"joined_at": rounds.steps_done, "at_join": whole(), "rounds": []}
+    path = os.path.join(out_dir, f"{replica}.{local_rank}-{life}.pt")
     waited = False
     while rounds.steps_done < FT_STEPS:
         step = rounds.steps_done
@@ -496,18 +509,20 @@ def _fault_tolerant_replica(replica, lighthouse, out_dir, life, ready, rejoiner_
             time.sleep(0.5)
             waited = True
         inner.zero_grad()
-        _loss(model, _batch(replica, step)).backward()
+        _loss(model, _batch(replica * per_node + local_rank, step)).backward()
         inner.step()
         committed = rounds.step()
         if committed is not None:
-            record["rounds"].append((step + 1, committed, manager.num_participants(), _flat(model).clone()))
+            record["rounds"].append((step + 1, committed, manager.num_participants(), whole()))
             torch.save(record, path)  # the dying replica's record stands as of its last round
     record.update(heals=rounds.heals, failed=rounds.rounds_failed, error=repr(rounds.last_error))
     manager.shutdown(wait=False)
     torch.save(record, path)
 
 
-def _run_lost_replica():
+def _run_lost_replica(per_node):
+    """Two replica groups of ``per_node`` ranks; every rank of group 1 dies in its second round
+    and is started again. Returns each rank's record by "group.local_rank-life"."""
     import multiprocessing
 
     from torchft.coordination import LighthouseServer
@@ -515,31 +530,36 @@ def _run_lost_replica():
     os.environ.setdefault("RUST_LOG", "error")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     ctx = multiprocessing.get_context("spawn")
-    ready, rejoiner_up = ctx.Barrier(2), ctx.Event()
+    ready, rejoiner_up = ctx.Barrier(2 * per_node), ctx.Event()
     try:
         with tempfile.TemporaryDirectory() as out_dir:
-            start = lambda r, life: ctx.Process(  # noqa: E731
-                target=_fault_tolerant_replica, args=(r, lighthouse.address(), out_dir, life, ready, rejoiner_up)
-            )
-            procs = [start(0, "first"), start(1, "first")]
-            for p in procs:
+            start = lambda group, life: [  # noqa: E731
+                ctx.Process(target=_fault_tolerant_replica,
+                            args=(group, r, per_node, lighthouse.address(), out_dir, life, ready, rejoiner_up))
+                for r in range(per_node)
+            ]  # fmt: skip
+            survivors, dying = start(0, "first"), start(1, "first")
+            for p in survivors + dying:
                 p.start()
-            procs[1].join(timeout=180)
-            assert procs[1].exitcode == 17, procs[1].exitcode
-            procs.append(start(1, "rejoined"))
-            procs[-1].start()
-            for p in (procs[0], procs[2]):
+            for p in dying:
                 p.join(timeout=180)
-            assert [procs[0].exitcode, procs[2].exitcode] == [0, 0]
-            return {name[:-3]: torch.load(os.path.join(out_dir, name)) for name in os.listdir(out_dir)}
+            assert [p.exitcode for p in dying] == [17] * per_node
+            back = start(1, "rejoined")
+            for p in back:
+                p.start()
+            for p in survivors + back:
+                p.join(timeout=180)
+            assert [p.exitcode for p in survivors + back] == [0] * (2 * per_node)
+            return {name[:-3]: torch.load(os.path.join(out_dir, name)) for name in os.listdir(out_dir) if name.endswith(".pt")}
     finally:
         lighthouse.shutdown()
 
 
-def _lost_replica_reference(failed_at, joined_at):
+def _lost_replica_reference(failed_at, joined_at, per_node=1):
     """Each replica's flat parameters after every round: DiLoCo on both until replica 1 dies in
     the round after step KILL_AT; that round rolled back (the survivor keeps its local steps);
-    rounds of the survivor alone; at ``joined_at`` replica 1 takes the survivor's whole state."""
+    rounds of the survivor alone; at ``joined_at`` replica 1 takes the survivor's whole state.
+    A replica's gradient is the mean of its ``per_node`` ranks' gradients."""
     import copy
 
     models = [_model(), _model()]
@@ -555,7 +575,7 @@ def _lost_replica_reference(failed_at, joined_at):
         alive = [0, 1] if step < KILL_AT or step >= joined_at else [0]
         for w in alive:
             inners[w].zero_grad()
-            _loss(models[w], _batch(w, step)).backward()
+            sum(_loss(models[w], _batch(w * per_node + i, step)) for i in range(per_node)).div(per_node).backward()
             inners[w].step()
         if step + 1 == failed_at:  # rolled back: the survivor's own parameters stand
             after[0][step + 1] = _flat(models[0]).clone()
@@ -569,23 +589,29 @@ def _lost_replica_reference(failed_at, joined_at):
     return after
 
 
-def test_rounds_go_on_without_a_lost_replica_and_heal_it_when_it_returns():
-    runs = _run_lost_replica()
-    survivor, died, back = runs["0-first"], runs["1-first"], runs["1-rejoined"]
-    failed = [r for r in survivor["rounds"] if not r[1]]
-    assert survivor["failed"] == 1 and len(failed) == 1, survivor["rounds"]
-    failed_at = failed[0][0]
-    assert failed_at == KILL_AT, failed_at  # the round it died in
-    assert back["heals"] == 1 and back["joined_at"] % H == 0 and back["joined_at"] > failed_at, back["joined_at"]
-    reference = _lost_replica_reference(failed_at, back["joined_at"])
-    for record, replica in ((survivor, 0), (died, 1), (back, 1)):
-        for step, committed, participants, params in record["rounds"]:
-            next_quorum = 1 if failed_at <= step < back["joined_at"] else 2  # the quorum begun after this round
-            assert participants == next_quorum, (replica, step, participants)
-            torch.testing.assert_close(params, reference[replica][step], rtol=1e-6, atol=1e-7, msg=f"replica {replica} step {step}")
-    # The rejoiner starts from the survivor's consensus, at the survivor's step.
-    torch.testing.assert_close(back["at_join"], reference[0][back["joined_at"]], rtol=1e-6, atol=1e-7)
-    assert [r[0] for r in back["rounds"]] == [s for s, *_ in survivor["rounds"] if s > back["joined_at"]]
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_rounds_go_on_without_a_lost_replica_and_heal_it_when_it_returns(per_node):
+    """per_node=2: each replica group shards the model with FSDP2 over its two ranks, the
+    rounds run on each rank's shard over torchft's group of that shard, and the whole group dies."""
+    runs = _run_lost_replica(per_node)
+    for local_rank in range(per_node):
+        survivor, died, back = (runs[f"{g}.{local_rank}-{life}"] for g, life in ((0, "first"), (1, "first"), (1, "rejoined")))
+        failed = [r for r in survivor["rounds"] if not r[1]]
+        assert survivor["failed"] == 1 and len(failed) == 1, survivor["rounds"]
+        failed_at = failed[0][0]
+        assert failed_at == KILL_AT, failed_at  # the round it died in
+        assert back["heals"] == 1 and back["joined_at"] % H == 0 and back["joined_at"] > failed_at, back["joined_at"]
+        reference = _lost_replica_reference(failed_at, back["joined_at"], per_node)
+        for record, replica in ((survivor, 0), (died, 1), (back, 1)):
+            for step, committed, participants, params in record["rounds"]:
+                next_quorum = 1 if failed_at <= step < back["joined_at"] else 2  # the quorum begun after this round
+                assert participants == next_quorum, (replica, step, participants)
+                torch.testing.assert_close(
+                    params, reference[replica][step], rtol=1e-5, atol=1e-6, msg=f"replica {replica}.{local_rank} step {step}"
+                )
+        # The rejoiner starts from the survivor's consensus, at the survivor's step.
+        torch.testing.assert_close(back["at_join"], reference[0][back["joined_at"]], rtol=1e-5, atol=1e-6)
+        assert [r[0] for r in back["rounds"]] == [s for s, *_ in survivor["rounds"] if s > back["joined_at"]]
 
 
 # --- rounds on FSDP2's shards: FSDP2 inside each node, rounds between nodes ---------------------
