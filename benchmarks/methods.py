@@ -420,6 +420,7 @@ METHODS: dict[str, Method] = {
     "diloco_ef_8": _rounds(8, pseudo_gradient="scaled_sign"),
     "diloco_ef_32": _rounds(32, pseudo_gradient="scaled_sign"),
     "muloco_8": _rounds(8, inner=_muon_adamw),
+    "muloco_32": _rounds(32, inner=_muon_adamw),
     "muloco_vote_ef_8": _rounds(8, pseudo_gradient="sign_vote_ef", inner=_muon_adamw),
     "muloco_vote_ef_32": _rounds(32, pseudo_gradient="sign_vote_ef", inner=_muon_adamw),
     "dppf_outer_8": _rounds(8, pull=0.5, push=0.05),

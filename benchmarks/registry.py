@@ -81,6 +81,7 @@ METHODS: dict[str, MethodInfo] = {
     "diloco_vote_ef_32": MethodInfo("DiLoCo every 32 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
     "diloco_ef_8": MethodInfo("DiLoCo every 8 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
     "muloco_8": MethodInfo("MuLoCo: torch's Muon (and AdamW) inside, DiLoCo's outer step every 8 steps", (_TRAIN,)),
+    "muloco_32": MethodInfo("MuLoCo, DiLoCo's outer step every 32 steps", (_TRAIN,)),
     "muloco_vote_ef_8": MethodInfo("MuLoCo every 8 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
     "muloco_vote_ef_32": MethodInfo("MuLoCo every 32 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
     "diloco_ef_32": MethodInfo("DiLoCo every 32 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),

@@ -47,7 +47,7 @@ SAME_OPTIMIZER: dict[str, str] = {
     "signmuon_node": "signmuon",
     **{f"{name}_{period}": "adamw" for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef",
                                                  "dppf_outer") for period in (8, 32)},  # fmt: skip
-    **{name: "muon_adamw" for name in ("muloco_8", "muloco_vote_ef_8", "muloco_vote_ef_32")},
+    **{name: "muon_adamw" for name in ("muloco_8", "muloco_32", "muloco_vote_ef_8", "muloco_vote_ef_32")},
 }
 
 
