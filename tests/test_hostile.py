@@ -8,12 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.harness import run_distributed
-from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, check_replicas, majority_vote, sign_vote_hook
+from signmuon.comm_hooks import SignVoteState, VoteConfig, check_replicas, majority_vote, sign_vote_hook
 from signmuon.comm_hooks.dist import settings_digest
 from signmuon.integrations.deepspeed import SignCompressedBackend
 from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV

@@ -111,6 +111,7 @@ def test_routing_puts_each_tensor_once_and_embeddings_and_head_off_the_matrix_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns about a tensor listed twice
         opt = SignMuon(groups)
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in groups]
 
 
 def test_muon_baseline_takes_routed_groups_of_a_conv_net():
