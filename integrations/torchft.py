@@ -74,8 +74,6 @@ class FaultTolerantRounds:
     """
 
     def __init__(self, manager: Any, averager: DPPFAverager, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(manager, torchft.Manager):
-            raise TypeError(f"FaultTolerantRounds needs a torchft.Manager, got {type(manager).__name__}")
         if not isinstance(averager, DPPFAverager) or averager.consensus is None:
             raise ValueError(
                 "FaultTolerantRounds needs a DPPFAverager with an outer step (outer=OuterStep(...), module=model): "
@@ -88,6 +86,8 @@ class FaultTolerantRounds:
                 "pseudo_gradient='scaled_sign' keeps error buffers sized by the number of replicas, which changes "
                 "when one is lost; use 'mean', 'sign_vote' or 'sign_vote_ef'"
             )
+        if not isinstance(manager, torchft.Manager):
+            raise TypeError(f"FaultTolerantRounds needs a torchft.Manager, got {type(manager).__name__}")
         self.manager, self.averager, self.optimizer = manager, averager, optimizer
         self.module = averager.module
         self.rounds_committed = 0

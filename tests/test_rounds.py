@@ -657,3 +657,23 @@ def test_rounds_on_fsdp2_shards_equal_the_node_level_reference():
         rounds_ring = (STEPS // H) * shard * 4  # two nodes: a round sends this rank's shard once
         assert rounds_ring <= sent < rounds_ring + 4096, (sent, rounds_ring)
     assert sum(r[2] for r in results[:2]) == numel  # a node's two shards make the whole model
+
+
+def _refused_rounds_worker(rank, world_size):
+    from signmuon.integrations.torchft import FaultTolerantRounds
+
+    model = _model()
+    inner = _inner(model)
+    good = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
+    return (
+        capture(lambda: FaultTolerantRounds(None, DPPFAverager(period=H, module=model), inner)),
+        capture(lambda: FaultTolerantRounds(None, DPPFAverager(period=H, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model), inner)),
+        capture(lambda: FaultTolerantRounds(object(), good, inner)),
+    )
+
+
+def test_fault_tolerant_rounds_refuse_what_cannot_survive_a_loss():
+    no_outer, scaled_sign, not_a_manager = run_distributed(_refused_rounds_worker, 1)[0]
+    assert "with an outer step" in no_outer
+    assert "scaled_sign" in scaled_sign and "sized by the number of replicas" in scaled_sign
+    assert "TypeError" in not_a_manager and "torchft.Manager" in not_a_manager
