@@ -1,8 +1,9 @@
 """Optimisation math: the pure functions (``functional``), Newton–Schulz, the sign-vote
 optimizers (SignMuon, Signum-MV, signSGD-MV), the Muon baseline and the DPPF averager."""
 
-from .dppf import DPPFAverager, local_sgd, register_local_sgd_hook
+from .dppf import DPPFAverager
 from .fsdp import check_checkpoint_layout, node_mesh, register_fsdp_vote
+from .post_local_sgd import local_sgd, register_local_sgd_hook
 from .functional import (
     MUON_LR_RATIO,
     MUON_UPDATE_RMS,

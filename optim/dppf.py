@@ -40,28 +40,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
-from torch.distributed.tensor import DTensor
 
 from signmuon.comm_hooks import NodeLayout
 from signmuon.comm_hooks.dist import (
     CommStats,
     NonFiniteError,
-    agree,
     check_same_settings,
     flatten,
-    gather_rows,
     group_size_rank,
     mean_all_reduce,
-    nonfinite_flag,
     settings_digest,
     split_like,
     unflatten_into,
 )
 
-from .rounds import Consensus, OuterStep, average_over_nodes
+from .rounds import Consensus, OuterStep, average_over_nodes, check_shards, round_flags
 from .sign_vote import local_tensor
 
-__all__ = ["DPPFAverager", "local_sgd", "register_local_sgd_hook", "DISTANCES"]
+__all__ = ["DPPFAverager", "DISTANCES"]
 
 DISTANCES = ("model", "tensor")
 
@@ -107,20 +103,12 @@ class DPPFAverager(ModelAverager):
             :func:`local_sgd` all-reduces gradients inside each node every step, and a round
             sends only each local rank's 1/L slice, over its rail.
 
-    Sharded models: where ``module`` is sharded by FSDP2 over each node
-    (``fully_shard(..., mesh=node_mesh()["local"])``), every step is FSDP2's inside the node and
-    the rounds run on this rank's shard of each parameter (its consensus and outer state are a
-    shard too): pass ``process_group=mesh["node"].get_group()``, the ranks holding the same
-    shard on the other nodes, and call ``average_parameters`` after each optimizer step. A
-    group that holds two shards of one parameter is refused, and so is ``push`` (a worker's
-    distance would be one shard's). ``mean_distance`` and ``max_distance`` are then this
-    shard's.
+    Sharded models (FSDP2 over each node, see the module's docstring): pass
+    ``process_group=mesh["node"].get_group()``; the rounds run on this rank's shards, and
+    ``mean_distance`` / ``max_distance`` are then this shard's.
 
-    Each round starts with two small all-gathers that make it safe against what differs between
-    ranks: the step counter, parameter count and shapes must agree (else ``VoteMismatchError``
-    on every rank, rather than a collective of mismatched sizes), and every rank learns which
-    parameters have a gradient on any rank (those take part everywhere, so a parameter unused on
-    one rank only is still averaged consistently) and which ranks hold non-finite values.
+    Each round starts with small all-gathers that make it safe against what differs between
+    ranks (:func:`~signmuon.optim.rounds.round_flags`): a mismatch raises on every rank.
 
     Statistics (read them off the object): ``rounds``, ``mean_distance``, ``max_distance``
     (worker distance to x_bar at the last round, before the update: the measured valley
@@ -146,20 +134,7 @@ class DPPFAverager(ModelAverager):
     ) -> None:
         self.period = _check_int("period", period, 1)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        if not 0.0 <= pull <= 1.0:
-            raise ValueError(f"pull={pull} must be in [0, 1]: beyond 1 a worker overshoots the average")
-        if not (push >= 0.0 and math.isfinite(push)):
-            raise ValueError(f"push={push} must be finite and >= 0")
-        if nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite={nonfinite!r} must be 'skip' or 'raise'")
-        if not eps > 0.0:
-            raise ValueError(f"eps={eps} must be > 0")
-        if distance not in DISTANCES:
-            raise ValueError(f"distance={distance!r} must be one of {DISTANCES}")
-        if outer is not None and not isinstance(outer, OuterStep):
-            raise ValueError(f"outer must be an OuterStep, not {type(outer).__name__}")
-        if outer is not None and module is None:
-            raise ValueError("an outer step needs module=: the consensus starts as its parameters")
+        _check_arguments(pull, push, eps, distance, nonfinite, outer, module)
         super().__init__(process_group)  # sets self.process_group (WORLD if None) and self.step = 0
         self.pull = float(pull)
         self.push = float(push)
@@ -180,7 +155,7 @@ class DPPFAverager(ModelAverager):
         self.outer = outer
         self.consensus = None
         if module is not None:
-            _check_shards(module, self.process_group, self.push, self.layout)
+            check_shards(module, self.process_group, self.push, self.layout)
         if outer is not None:
             params = [local_tensor(p) for p in module.parameters() if p.requires_grad]
             self.consensus = Consensus(_by_dtype_and_device(params), outer, self.process_group, self.layout)
@@ -206,7 +181,7 @@ class DPPFAverager(ModelAverager):
             self._settings_checked = True
         params = _all_params(params)
         if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
-            params = self._in_module_order(params)
+            params = _in_module_order(self.module, params)
             groups = _by_dtype_and_device(local_tensor(p) for p in params)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
                 self.consensus.reset([flatten(tensors) for tensors in groups])
@@ -215,17 +190,6 @@ class DPPFAverager(ModelAverager):
             if agreed is not None:
                 self._round(params if self.consensus is not None else agreed)
         self.step += 1
-
-    def _in_module_order(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``module``'s parameters that require grad, in its order, if ``params`` are exactly those
-        (an optimizer may group them otherwise, as Muon's matrices-and-the-rest groups do)."""
-        expected = [p for p in self.module.parameters() if p.requires_grad]
-        if len(params) != len(expected) or {id(p) for p in params} != {id(p) for p in expected}:
-            raise ValueError(
-                "the parameters given to the round are not those the consensus was made of (DPPFAverager(module=...)'s "
-                "parameters that require grad, in any order): average_parameters must get the same parameters every time"
-            )
-        return expected
 
     def _settings(self) -> dict[str, Any]:
         settings = {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
@@ -380,39 +344,6 @@ def worker_distances(distances: list[float], group: dist.ProcessGroup, gather: b
     return float(torch.cat(gathered).mean()), float(torch.cat(gathered).max())
 
 
-@torch.no_grad()
-def round_flags(
-    params: list[torch.Tensor],
-    buffers: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    step: int,
-    stats: CommStats,
-    *,
-    settings: int = 0,
-    unchecked: bool = False,
-) -> tuple[list[torch.Tensor], list[int], bool]:
-    """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
-    ``buffers``, whether any rank is ``unchecked``): one all-gather, after checking that every
-    rank is at the same step with the same parameter shapes and ``settings`` digest (else
-    ``VoteMismatchError`` on every rank)."""
-    device = params[0].device if params else "cpu"
-    layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
-    fields = {"step": step, "parameters": len(params), "layout": layout, "settings": settings}
-    agree(fields, group, what="a DPPF round", device=device, stats=stats)
-    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
-    flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
-    flags[-1, 0] = int(unchecked)
-    if params:
-        flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
-        flags[:-1, 1] = torch.stack([nonfinite_flag(local_tensor(p).detach()).to(device) for p in params])
-    if buffers:
-        flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
-    gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
-    used = gathered[:, :-1, 0].any(dim=0)  # [P]
-    bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
-    return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist(), bool(gathered[:, -1, 0].any())
-
-
 def _describe(factory: Any) -> str:
     """The outer optimizer's factory by name and arguments, alike on every rank (a repr would
     carry a lambda's address)."""
@@ -421,27 +352,21 @@ def _describe(factory: Any) -> str:
     return f"{getattr(factory, '__module__', '')}.{getattr(factory, '__qualname__', type(factory).__name__)}"
 
 
-def _check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layout: NodeLayout | None) -> None:
-    """Refuse rounds over ranks that hold different shards of a parameter (FSDP2's DTensors)."""
-    sharded = [p for p in module.parameters() if p.requires_grad and isinstance(p, DTensor)]
-    if not sharded:
-        return
-    if push or layout is not None:
-        raise ValueError(
-            "a model sharded by FSDP2: rounds run on each rank's shards over its rail; push (a worker's distance "
-            "would be one shard's) and layout= (FSDP2 already runs the node) do not apply"
-        )
-    try:
-        group_ranks = set(dist.get_process_group_ranks(group))
-    except KeyError:  # outside the registry: torchft's groups join one local rank of each replica group, one shard
-        return
-    for p in sharded:
-        holders = set(p.device_mesh.mesh.reshape(-1).tolist())  # the ranks sharing this parameter
-        if len(holders & group_ranks) > 1:
-            raise ValueError(
-                f"the rounds' process group holds {len(holders & group_ranks)} shards of one FSDP2 parameter: average "
-                "over the ranks that hold the same shard, process_group=mesh['node'].get_group() of node_mesh()"
-            )
+def _check_arguments(pull: float, push: float, eps: float, distance: str, nonfinite: str, outer: Any, module: Any) -> None:
+    if not 0.0 <= pull <= 1.0:
+        raise ValueError(f"pull={pull} must be in [0, 1]: beyond 1 a worker overshoots the average")
+    if not (push >= 0.0 and math.isfinite(push)):
+        raise ValueError(f"push={push} must be finite and >= 0")
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite={nonfinite!r} must be 'skip' or 'raise'")
+    if not eps > 0.0:
+        raise ValueError(f"eps={eps} must be > 0")
+    if distance not in DISTANCES:
+        raise ValueError(f"distance={distance!r} must be one of {DISTANCES}")
+    if outer is not None and not isinstance(outer, OuterStep):
+        raise ValueError(f"outer must be an OuterStep, not {type(outer).__name__}")
+    if outer is not None and module is None:
+        raise ValueError("an outer step needs module=: the consensus starts as its parameters")
 
 
 def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:
@@ -455,6 +380,18 @@ def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:
             "and there is nothing to run rounds between; use plain DDP"
         )
     return None if layout.ranks_per_node == 1 else layout  # one rank per node: the flat rounds
+
+
+def _in_module_order(module: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``module``'s parameters that require grad, in its order, if ``params`` are exactly those
+    (an optimizer may group them otherwise, as Muon's matrices-and-the-rest groups do)."""
+    expected = [p for p in module.parameters() if p.requires_grad]
+    if len(params) != len(expected) or {id(p) for p in params} != {id(p) for p in expected}:
+        raise ValueError(
+            "the parameters given to the round are not those the consensus was made of (DPPFAverager(module=...)'s "
+            "parameters that require grad, in any order): average_parameters must get the same parameters every time"
+        )
+    return expected
 
 
 def _all_params(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:
@@ -472,37 +409,3 @@ def _by_dtype_and_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Ten
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return list(groups.values())
-
-
-def local_sgd(
-    ddp_model: nn.parallel.DistributedDataParallel,
-    optimizer: torch.optim.Optimizer,
-    averager: ModelAverager,
-) -> torch.distributed.optim.PostLocalSGDOptimizer:
-    """Set up local SGD: all-reduce gradients for ``averager.warmup_steps``, then none at all.
-
-    Registers torch's ``post_localSGD_hook`` with one-rank subgroups (so after the warm-up
-    no gradient leaves its worker; torch's default subgroup is the whole node) and wraps
-    ``optimizer`` in ``PostLocalSGDOptimizer(optimizer, averager)``, whose ``state_dict``
-    also records the averager's step. All ranks must call it (it creates subgroups).
-    """
-    from torch.distributed.optim import PostLocalSGDOptimizer
-
-    register_local_sgd_hook(ddp_model, averager)
-    return PostLocalSGDOptimizer(optimizer, averager)
-
-
-def register_local_sgd_hook(ddp_model: nn.parallel.DistributedDataParallel, averager: ModelAverager) -> None:
-    """The communication half of :func:`local_sgd`: gradients all-reduced for
-    ``averager.warmup_steps`` steps, then none leaves its worker (for frameworks that call
-    ``averager.average_parameters`` after each optimizer step themselves); with node-aware rounds
-    (an averager with ``layout``) they are all-reduced inside each node every step. All ranks call it."""
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
-
-    layout = getattr(averager, "layout", None)
-    if layout is not None:
-        subgroup = layout.node_group
-    else:
-        subgroup, _ = dist.new_subgroups(group_size=1)
-    state = PostLocalSGDState(process_group=averager.process_group, subgroup=subgroup, start_localSGD_iter=averager.warmup_steps)
-    ddp_model.register_comm_hook(state, post_localSGD_hook)

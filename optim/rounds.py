@@ -22,12 +22,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from signmuon.comm_hooks import CommStats, NodeLayout, VoteConfig, majority_vote
-from signmuon.comm_hooks.dist import agree, group_size_rank, mean_all_reduce, tensor_fingerprint
+from signmuon.comm_hooks.dist import (
+    agree,
+    gather_rows,
+    group_size_rank,
+    mean_all_reduce,
+    nonfinite_flag,
+    settings_digest,
+    tensor_fingerprint,
+)
 from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_sign_allreduce
 
-__all__ = ["OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "combine_pseudo_gradients"]
+from .sign_vote import local_tensor
+
+__all__ = [
+    "OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "check_shards", "combine_pseudo_gradients", "round_flags",
+]
 
 PSEUDO_GRADIENTS = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
 
@@ -265,3 +279,61 @@ def _segments(sizes: list[int], lo: int, hi: int, block: int = 0) -> list[tuple[
                 found.append((a - lo, b - lo))
         start += size
     return found
+
+
+@torch.no_grad()
+def round_flags(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    step: int,
+    stats: CommStats,
+    *,
+    settings: int = 0,
+    unchecked: bool = False,
+) -> tuple[list[torch.Tensor], list[int], bool]:
+    """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
+    ``buffers``, whether any rank is ``unchecked``): one all-gather, after checking that every
+    rank is at the same step with the same parameter shapes and ``settings`` digest (else
+    ``VoteMismatchError`` on every rank, rather than a collective of mismatched sizes).
+    Parameters with a gradient on any rank take part everywhere, so one unused on a single rank
+    is still averaged consistently."""
+    device = params[0].device if params else "cpu"
+    layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
+    fields = {"step": step, "parameters": len(params), "layout": layout, "settings": settings}
+    agree(fields, group, what="a DPPF round", device=device, stats=stats)
+    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
+    flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
+    flags[-1, 0] = int(unchecked)
+    if params:
+        flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
+        flags[:-1, 1] = torch.stack([nonfinite_flag(local_tensor(p).detach()).to(device) for p in params])
+    if buffers:
+        flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
+    gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
+    used = gathered[:, :-1, 0].any(dim=0)  # [P]
+    bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
+    return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist(), bool(gathered[:, -1, 0].any())
+
+
+def check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layout: NodeLayout | None) -> None:
+    """Refuse rounds over ranks that hold different shards of a parameter (FSDP2's DTensors)."""
+    sharded = [p for p in module.parameters() if p.requires_grad and isinstance(p, DTensor)]
+    if not sharded:
+        return
+    if push or layout is not None:
+        raise ValueError(
+            "a model sharded by FSDP2: rounds run on each rank's shards over its rail; push (a worker's distance "
+            "would be one shard's) and layout= (FSDP2 already runs the node) do not apply"
+        )
+    try:
+        group_ranks = set(dist.get_process_group_ranks(group))
+    except KeyError:  # outside the registry: torchft's groups join one local rank of each replica group, one shard
+        return
+    for p in sharded:
+        holders = set(p.device_mesh.mesh.reshape(-1).tolist())  # the ranks sharing this parameter
+        if len(holders & group_ranks) > 1:
+            raise ValueError(
+                f"the rounds' process group holds {len(holders & group_ranks)} shards of one FSDP2 parameter: average "
+                "over the ranks that hold the same shard, process_group=mesh['node'].get_group() of node_mesh()"
+            )
