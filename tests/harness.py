@@ -83,6 +83,30 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)
 
 
+# --- the rounds' toy: a model, its batches, loss and inner optimizer ------------------------------
+
+
+def rounds_model() -> nn.Module:
+    torch.manual_seed(0)  # the same start on every rank, as DDP makes it
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def rounds_batch(worker: int, step: int) -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * worker + step))
+
+
+def rounds_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[:, :2].sin()).pow(2).mean()
+
+
+def rounds_inner(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 # --- the node-level reference: node means, momentum, Newton-Schulz, a vote of the nodes --------
 
 
