@@ -305,6 +305,15 @@ def _fsdp(make_opt=None, optimizer: type | None = None, **options) -> Method:
     return build
 
 
+def _outer_step(config: TrainConfig, pseudo_gradient: str) -> OuterStep:
+    """The DiLoCo methods' outer step: Nesterov SGD (plain SGD at momentum 0) at the run's settings."""
+    return OuterStep(
+        optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
+                                    nesterov=config.outer_momentum > 0),
+        pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block,
+    )  # fmt: skip
+
+
 def _fsdp_rounds(period: int, pseudo_gradient: str = "mean") -> Method:
     """AdamW on a model sharded over each node by FSDP2 (its reduce-scatter every step), and
     DiLoCo's rounds between nodes on each rank's shard, over its rail."""
@@ -314,12 +323,7 @@ def _fsdp_rounds(period: int, pseudo_gradient: str = "mean") -> Method:
         mesh = node_mesh(config.ranks_per_node, device_type=device.type)
         shard_blocks(net, mesh["local"])
         opt = _adamw(net.parameters(), config.lr_scale)
-        outer = OuterStep(
-            optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
-                                        nesterov=config.outer_momentum > 0),
-            pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block,
-        )  # fmt: skip
-        averager = DPPFAverager(period, pull=1.0, outer=outer, module=net, process_group=mesh["node"].get_group())
+        averager = DPPFAverager(period, pull=1.0, outer=_outer_step(config, pseudo_gradient), module=net, process_group=mesh["node"].get_group())
         per_step = fsdp_traffic(sum(p.numel() for p in net.parameters()), mesh.shape[1])
 
         def after_step(*_) -> None:
@@ -373,11 +377,7 @@ def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0
         layout = node_layout(None, config.ranks_per_node) if dist.get_world_size() > 1 else None
         layout = layout if layout is not None and layout.nodes > 1 else None
         pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
-        outer = None if pseudo_gradient is None else OuterStep(
-            optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
-                                        nesterov=config.outer_momentum > 0),
-            pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block,
-        )  # fmt: skip
+        outer = None if pseudo_gradient is None else _outer_step(config, pseudo_gradient)
         averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout)
         params = muon_param_groups(net) if inner is _muon_adamw else model.parameters()
         opt = local_sgd(model, inner(params, config.lr_scale), averager)

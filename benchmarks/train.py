@@ -57,6 +57,11 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _whole_consensus(setup, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The averager's consensus model, sharded values gathered whole (a collective)."""
+    return {k: _whole(v) for k, v in setup.averager.consensus_state_dict(_network(model)).items()}
+
+
 def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -> dict:
     """Train ``method`` on this rank; every rank returns the same final metrics."""
     if config.batch_size % world_size:
@@ -114,7 +119,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                 dist.all_reduce(worker_acc)
                 entry["worker_acc"] = worker_acc.item() / world_size
                 consensus = task.make_model().to(device)
-                consensus.load_state_dict({k: _whole(v) for k, v in setup.averager.consensus_state_dict(_network(model)).items()})
+                consensus.load_state_dict(_whole_consensus(setup, model))
                 entry.update(evaluate(consensus, task))
             log.append(entry)
             eval_seconds += time.perf_counter() - eval_start
@@ -144,7 +149,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         result["worker_acc"] = log[-1]["worker_acc"]
         result["rounds"] = setup.averager.rounds
         result["mean_distance"] = setup.averager.mean_distance
-        result["final_state"] = {k: _whole(v).cpu() for k, v in setup.averager.consensus_state_dict(_network(model)).items()}
+        result["final_state"] = {k: v.cpu() for k, v in _whole_consensus(setup, model).items()}
     else:
         result["rounds"] = config.steps  # gradient communication every step
         result["final_state"] = {k: _whole(v).detach().cpu().clone() for k, v in _network(model).state_dict().items()}
@@ -401,8 +406,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--task cifar10 needs --data-dir (the folder holding torchvision's cifar-10-batches-py)")
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         parser.error(f"--clip-grad-norm {args.clip_grad_norm} must be > 0")
-    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
-        parser.error(f"--outer-lr {args.outer_lr} must be > 0 and --outer-momentum {args.outer_momentum} in [0, 1)")
+    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1 or args.outer_scale_block < 0:
+        parser.error(f"--outer-lr {args.outer_lr} must be > 0, --outer-momentum {args.outer_momentum} in [0, 1) "
+                     f"and --outer-scale-block {args.outer_scale_block} >= 0")
     if not args.lr_scale > 0:
         parser.error(f"--lr-scale {args.lr_scale} must be > 0")
     if args.size != "small" and args.task != "charlm":

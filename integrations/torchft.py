@@ -34,7 +34,10 @@ would carry the whole model on its own group: correct, but L times the bytes. Us
         rounds.step()
 
 ``use_async_quorum=False`` is required: healing must finish before the replica's next local
-step, so that it trains from the consensus and counts in the next round.
+step, so that it trains from the consensus and counts in the next round. To roll a round back,
+each round first copies the parameters and the averager's state (consensus, outer optimizer,
+feedback buffers): about two models' worth of memory while it runs. A rolled-back round's bytes
+leave ``averager.stats`` with it.
 Needs ``pip install 'signmuon[torchft]'``.
 """
 
