@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -37,6 +38,11 @@ def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: t
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's worker threads outlive the group on torch
+    # 2.13, and one that frees a collective's tensors during that teardown aborts the process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def timed_calls(fn, iters: int, device: torch.device | None = None) -> list[float]:
