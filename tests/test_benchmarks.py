@@ -170,6 +170,7 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
 
 def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
     from signmuon.benchmarks import train
+    from signmuon.benchmarks.train_report import PROJECTED_RATES
 
     argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "20", "--eval-every", "20", "--no-progress"]
     results = train.main(argv + ["--strategy", "fsdp", "--methods", "adamw", "signmuon", "diloco_8"])
@@ -178,7 +179,7 @@ def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
     projected = next(line for line in out.splitlines() if line.strip().startswith("adamw") and len(line.split()) == 4)
     entry = results[0]["log"][-1]
     assert [float(v) for v in projected.split()[1:]] == [
-        pytest.approx(entry["time_s"] + 8 * entry["bytes"] / bps, abs=0.051) for bps in train.PROJECTED_RATES.values()
+        pytest.approx(entry["time_s"] + 8 * entry["bytes"] / bps, abs=0.051) for bps in PROJECTED_RATES.values()
     ]
     adamw, signmuon, diloco = results
     assert {r["strategy"] for r in results} == {"fsdp"}
