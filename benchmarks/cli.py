@@ -12,7 +12,7 @@ import torch
 
 from signmuon.benchmarks.registry import check_methods, describe, names_for
 
-__all__ = ["command_parser", "network_label", "positive_int", "size", "check_device", "parse_methods", "write_report"]
+__all__ = ["command_parser", "network_label", "positive_int", "non_negative_float", "size", "check_device", "parse_methods", "write_report"]
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -25,6 +25,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0 (durations)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
     return value
 
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch
 
-from signmuon.benchmarks.cli import command_parser, positive_int, write_report
+from signmuon.benchmarks.cli import command_parser, non_negative_float, positive_int, write_report
 from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn
 from signmuon.benchmarks.tuned import tuned_lr_scale
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=positive_int, default=320, help="a multiple of --period: the run ends on a round")
     parser.add_argument("--period", type=positive_int, default=8)
     parser.add_argument("--kill-at", type=positive_int, default=100)
-    parser.add_argument("--down", type=float, default=1.0, help="seconds replica 1 stays dead")
+    parser.add_argument("--down", type=non_negative_float, default=1.0, help="seconds replica 1 stays dead")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)

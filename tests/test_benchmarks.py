@@ -259,6 +259,8 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["dppf-sweep", "--pulls", "1.5"], "each must lie in [0, 1]"),
         (["dppf-sweep", "--pushes", "-0.1"], "each must be finite and >= 0"),
         (["dppf-sweep", "--periods", "16"], "invalid choice: 16"),
+        (["lost-node", "--down", "-1"], "--down: -1 must be a finite number >= 0"),
+        (["lost-node", "--down", "soon"], "'soon' is not a number"),
     ],
 )  # fmt: skip
 def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, message, capsys):
