@@ -87,6 +87,8 @@ class TrainConfig:
     """The DiLoCo methods' outer Nesterov momentum (DiLoCo's 0.9; 0 is plain SGD)."""
     outer_scale_block: int = 0
     """Entries per scale of the one-bit rounds' voted signs (``OuterStep.scale_block``; 0: per tensor)."""
+    outer_scale_bits: int = 32
+    """Bits those scales travel in (``OuterStep.scale_bits``): 32, 16 or 8."""
     strategy: str = "ddp"
     """``ddp`` (replicas) or ``fsdp``: FSDP2's ``fully_shard`` per block; ``adamw`` shards over
     every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes, the
@@ -306,11 +308,14 @@ def _fsdp(make_opt=None, optimizer: type | None = None, **options) -> Method:
 
 
 def _outer_step(config: TrainConfig, pseudo_gradient: str) -> OuterStep:
-    """The DiLoCo methods' outer step: Nesterov SGD (plain SGD at momentum 0) at the run's settings."""
+    """The DiLoCo methods' outer step: Nesterov SGD (plain SGD at momentum 0) at the run's settings;
+    the scale settings go to the methods whose rule has scales (so one run can compare rules)."""
+    scaled = pseudo_gradient in OuterStep.SCALED
     return OuterStep(
         optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
                                     nesterov=config.outer_momentum > 0),
-        pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block,
+        pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block if scaled else 0,
+        scale_bits=config.outer_scale_bits if scaled else 32,
     )  # fmt: skip
 
 

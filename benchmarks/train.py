@@ -131,7 +131,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "method": method,
         "strategy": config.strategy,
         "vote_zeros": config.vote_zeros,
-        "outer": [config.outer_lr, config.outer_momentum, config.outer_scale_block],
+        "outer": [config.outer_lr, config.outer_momentum, config.outer_scale_block, config.outer_scale_bits],
         "task": task.name if config.size == "small" else f"{task.name}-{config.size}",
         "world_size": world_size,
         "seed": config.seed,
@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the DiLoCo methods' outer Nesterov momentum (default: %(default)s, DiLoCo's)")
     parser.add_argument("--outer-scale-block", type=int, default=0,
                         help="entries per scale of the one-bit rounds' voted signs (0: one scale per tensor)")
+    parser.add_argument("--outer-scale-bits", type=int, choices=[32, 16, 8], default=TrainConfig.outer_scale_bits,
+                        help="bits those scales travel in: 32 (float32), 16 (bfloat16), 8 (a log-grid code)")
     parser.add_argument("--clip-grad-norm", type=float, default=None,
                         help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
     parser.add_argument("--lr-scale", type=float, default=1.0,
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
         lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy, vote_zeros=args.vote_zeros,
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, outer_scale_block=args.outer_scale_block,
+        outer_scale_bits=args.outer_scale_bits,
     )  # fmt: skip
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():

@@ -196,7 +196,8 @@ class DPPFAverager(ModelAverager):
                                                             "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
         nodes = None if self.layout is None else (self.layout.nodes, self.layout.ranks_per_node)
         outer = None if self.outer is None else (
-            self.outer.pseudo_gradient, _describe(self.outer.optimizer), repr(self.outer.vote), self.outer.scale_block
+            self.outer.pseudo_gradient, _describe(self.outer.optimizer), repr(self.outer.vote), self.outer.scale_block,
+            self.outer.scale_bits,
         )
         return {**settings, "outer": outer, "layout": nodes}
 

@@ -31,18 +31,28 @@ STEPS = 7
 # --- the single-process reference: DiLoCo (and DPPF around its consensus) as published ----------
 
 
-def _sign_vote_combine(deltas, sizes):
-    """Majority vote of the deltas' signs, each tensor scaled by the workers' mean of its mean |delta|."""
+def _shared_scales(deltas, sizes, scale_bits):
+    """The workers' mean of each tensor's mean |delta|, each worker's scales sent in ``scale_bits``:
+    float32; bfloat16 (rounded, divided by the workers, summed in bfloat16); or 8-bit codes
+    round(8·log2(largest/scale)) below the worker's largest scale (255: zero)."""
+    own = [[float(p.abs().mean()) for p in d.split(sizes)] for d in deltas]
+    if scale_bits == 16:
+        return [float(sum(torch.tensor(s[i]).to(torch.bfloat16) / len(own) for s in own)) for i in range(len(sizes))]
+    if scale_bits == 8:
+        codes = [[round(8 * math.log2(max(s) / x)) if x > 0 else 255 for x in s] for s in own]
+        own = [[0.0 if c >= 255 else max(s) * 2 ** (-c / 8) for c in cs] for s, cs in zip(own, codes)]
+    return [sum(s[i] for s in own) / len(own) for i in range(len(sizes))]
+
+
+def _sign_vote_combine(deltas, sizes, scale_bits=32):
+    """Majority vote of the deltas' signs, each tensor scaled by :func:`_shared_scales`."""
     voted = vote_reference(torch.stack([d.sign() for d in deltas]))
-    out, start = [], 0
-    for size in sizes:
-        scale = sum(float(d[start : start + size].abs().mean()) for d in deltas) / len(deltas)
-        out.append(voted[start : start + size] * scale)
-        start += size
-    return torch.cat(out)
+    scales = _shared_scales(deltas, sizes, scale_bits)
+    return torch.cat([piece * scale for piece, scale in zip(voted.split(sizes), scales)])
 
 
-def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean", block=0):
+def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean", block=0,
+               scale_bits=32):
     """Each worker's flat parameters after every step (``block``: entries per scale of the vote)."""
     models = [rounds_model() for _ in range(workers)]
     inners = [rounds_inner(m) for m in models]
@@ -63,14 +73,14 @@ def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, pus
             if combine == "mean":
                 consensus.grad = sum(deltas) / workers
             elif combine == "sign_vote":
-                consensus.grad = _sign_vote_combine(deltas, sizes)
+                consensus.grad = _sign_vote_combine(deltas, sizes, scale_bits)
             elif combine == "sign_vote_ef":
                 errors = errors or [torch.zeros_like(consensus) for _ in range(workers)]
                 fed = [d + e for d, e in zip(deltas, errors)]
                 for w, c in enumerate(fed):  # each worker keeps what its own scaled signs leave out
                     pieces = c.split(sizes)
                     errors[w] = torch.cat([p - p.sign() * p.abs().mean() for p in pieces])
-                consensus.grad = _sign_vote_combine(fed, sizes)
+                consensus.grad = _sign_vote_combine(fed, sizes, scale_bits)
             else:
                 n = consensus.numel()
                 padded = -(-n // (8 * workers)) * 8 * workers
@@ -87,14 +97,14 @@ def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, pus
     return history
 
 
-def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, block=0):
+def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, block=0, scale_bits=32):
     model = rounds_model()
     params = list(model.parameters())  # grouped: out of module order, as Muon's groups are
     given = [{"params": params[::2]}, {"params": params[1::2][::-1]}] if grouped else params
     inner = rounds_inner(model)
     outer = OuterStep(
         optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), pseudo_gradient=combine,
-        vote=VoteConfig(tie="exact"), scale_block=block,
+        vote=VoteConfig(tie="exact"), scale_block=block, scale_bits=scale_bits,
     )  # fmt: skip
     averager = DPPFAverager(period=H, pull=pull, push=push, outer=outer, module=model)
     history = []
@@ -138,11 +148,15 @@ def test_the_parameters_may_come_in_another_order_and_grouping():
         torch.testing.assert_close(history[-1], expected[-1][rank], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("combine, block", [("sign_vote", 0), ("sign_vote_ef", 0), ("scaled_sign", 0), ("sign_vote_ef", 5)])
-def test_one_bit_rounds_equal_the_reference(combine, block):
-    workers = 3
-    results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS, False, block)
-    expected = _reference(workers, STEPS, H, combine=combine, block=block)
+# 16-bit scales on 2 workers: a bfloat16 sum of two is the same in either order, so it is exact.
+@pytest.mark.parametrize(
+    "combine, block, scale_bits, workers",
+    [("sign_vote", 0, 32, 3), ("sign_vote_ef", 0, 32, 3), ("scaled_sign", 0, 32, 3), ("sign_vote_ef", 5, 32, 3),
+     ("sign_vote_ef", 5, 16, 2), ("sign_vote_ef", 5, 8, 3), ("sign_vote", 0, 8, 2)],
+)  # fmt: skip
+def test_one_bit_rounds_equal_the_reference(combine, block, scale_bits, workers):
+    results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS, False, block, scale_bits)
+    expected = _reference(workers, STEPS, H, combine=combine, block=block, scale_bits=scale_bits)
     for rank, (history, _, _, _) in enumerate(results):
         for step, got in enumerate(history):
             torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
@@ -152,10 +166,11 @@ def _bytes_worker(rank, world_size, cases):
     return {case: _round_bytes(rank, *case) for case in cases}
 
 
-def _round_bytes(rank, combine, tie):
+def _round_bytes(rank, combine, tie, block=0, scale_bits=32):
     torch.manual_seed(0)
     model = nn.Linear(512, 512)
-    outer = OuterStep(optimizer=functools.partial(torch.optim.SGD, lr=1.0), pseudo_gradient=combine, vote=VoteConfig(tie=tie))
+    outer = OuterStep(optimizer=functools.partial(torch.optim.SGD, lr=1.0), pseudo_gradient=combine, vote=VoteConfig(tie=tie),
+                      scale_block=block, scale_bits=scale_bits)  # fmt: skip
     averager = DPPFAverager(period=1, outer=outer, module=model, track_distances=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -172,7 +187,8 @@ def _round_bytes(rank, combine, tie):
 
 
 COMBINES = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
-BYTE_CASES = {4: [(c, "fast") for c in COMBINES] + [("sign_vote", "exact")], 2: [(c, "exact") for c in COMBINES]}
+BLOCK_CASES = [("sign_vote_ef", "exact", 64, bits) for bits in (32, 16, 8)]
+BYTE_CASES = {4: [(c, "fast") for c in COMBINES] + [("sign_vote", "exact")], 2: [(c, "exact") for c in COMBINES] + BLOCK_CASES}
 
 
 @functools.cache
@@ -187,6 +203,15 @@ def test_one_bit_rounds_send_a_32nd_of_the_fp32_round(workers, tie):
     assert fp32 >= 2 * (workers - 1) / workers * (512 * 513) * 4  # the ring's bytes of the fp32 pseudo-gradient
     for one_bit in one_bits:
         assert fp32 / 40 < one_bit < fp32 / 25, (fp32, one_bit)
+
+
+def test_block_scales_cost_their_bits_per_block():
+    got = _bytes_on(2)
+    per_tensor, fp32, bf16, log8 = got[("sign_vote_ef", "exact")], *(got[case] for case in BLOCK_CASES)
+    blocks = 512 * 512 // 64 + 512 // 64  # the weight's and the bias's runs of 64; 2 ranks: the ring sends each byte once
+    assert fp32 - per_tensor == (blocks - 2) * 4
+    assert fp32 - bf16 == blocks * 2
+    assert log8 - per_tensor == blocks + 4 - 2 * 4  # a byte per block and the largest scale, to the other rank
 
 
 def test_exact_ties_among_more_than_two_workers_cost_at_most_a_second_bit():
@@ -318,6 +343,13 @@ def test_bad_outer_settings():
         OuterStep(optimizer=torch.optim.SGD, pseudo_gradient="int8")
     with pytest.raises(ValueError, match="must build an optimizer"):
         OuterStep(optimizer=torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    for bad in (dict(scale_block=-1), dict(scale_block=True), dict(scale_bits=4), dict(scale_bits=True)):
+        with pytest.raises(ValueError, match="scale_block=(-1|True)|scale_bits=(4|True)"):
+            OuterStep(optimizer=torch.optim.SGD, pseudo_gradient="sign_vote_ef", **bad)
+    for rule in ("mean", "scaled_sign"):  # they have no scales to set: refused, not ignored
+        for setting in (dict(scale_block=64), dict(scale_bits=8)):
+            with pytest.raises(ValueError, match=f"pseudo_gradient='{rule}' has none"):
+                OuterStep(optimizer=torch.optim.SGD, pseudo_gradient=rule, **setting)
     with pytest.raises(ValueError, match="module="):
         DPPFAverager(period=2, outer=OuterStep.diloco())
     with pytest.raises(ValueError, match="OuterStep"):
