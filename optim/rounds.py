@@ -83,8 +83,8 @@ class OuterStep:
     all-reduce at half the bytes (8 significant bits). 8: a code on a grid of 2^(1/8) steps
     below the worker's largest scale (the float32 largest scale goes along), all-gathered and
     averaged on each rank: ``(M-1)·8/B`` bits per entry with M workers, the least of the three
-    up to M = 4 (the all-reduce costs ``2(M-1)/M`` times the scale's bits). The error feedback
-    keeps each worker's own scale in float32."""
+    below M = 4 and as much as 16 at M = 4 (the all-reduce costs ``2(M-1)/M`` times the scale's
+    bits). The error feedback keeps each worker's own scale in float32."""
 
     def __post_init__(self) -> None:
         if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) or self.scale_block < 0:
