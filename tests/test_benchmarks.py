@@ -201,13 +201,16 @@ def test_train_rounds_are_node_aware_and_one_bit_rounds_send_a_32nd_between_node
     from signmuon.benchmarks import train
 
     argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "48", "--eval-every", "48", "--no-progress"]
-    fp32, vote, plain = train.main(argv + ["--methods", "diloco_8", "diloco_vote_8", "local_adamw_8"])
+    # The scale settings reach the vote's rounds only (the fp32 rounds would refuse them).
+    scales = ["--outer-scale-block", "64", "--outer-scale-bits", "8"]
+    fp32, vote, plain = train.main(argv + scales + ["--methods", "diloco_8", "diloco_vote_8", "local_adamw_8"])
     # DiLoCo's rounds come after steps 8, 16, ..., 48; torch's averaging after steps 1, 9, ..., 41.
     assert [r["rounds"] for r in (fp32, vote, plain)] == [6, 6, 6]
     assert all(r["test_acc"] > 0.6 for r in (fp32, vote, plain)), "all learn (chance: 0.1)"
-    # Between nodes each rank carries half the parameters; one bit instead of 32 (plus a float per tensor).
+    # Between nodes each rank carries half the parameters; one bit instead of 32 (plus a byte per 64 entries).
     assert fp32["bytes_between_nodes_per_rank"] > 0
     assert vote["bytes_between_nodes_per_rank"] < fp32["bytes_between_nodes_per_rank"] / 20
+    assert vote["outer"][2:] == [64, 8]
     with pytest.raises(SystemExit):
         train.main(argv + ["--methods", "diloco_8", "--outer-momentum", "1.0"])
 
@@ -259,6 +262,7 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["dppf-sweep", "--pulls", "1.5"], "each must lie in [0, 1]"),
         (["dppf-sweep", "--pushes", "-0.1"], "each must be finite and >= 0"),
         (["dppf-sweep", "--periods", "16"], "invalid choice: 16"),
+        (["train", "--outer-scale-bits", "4"], "--outer-scale-bits: invalid choice: 4"),
         (["lost-node", "--down", "-1"], "--down: -1 must be a finite number >= 0"),
         (["lost-node", "--down", "soon"], "'soon' is not a number"),
     ],
