@@ -198,8 +198,7 @@ def _average_scales(scales: torch.Tensor, bits: int, group: dist.ProcessGroup | 
         return mean_all_reduce(scales, group, stats)
     if bits == 16:
         return mean_all_reduce(scales.to(torch.bfloat16), group, stats).to(scales.dtype)
-    rows = gather_rows(_log8_encode(scales), group, stats)
-    return torch.stack([_log8_decode(row) for row in rows]).mean(0)
+    return _log8_decode(gather_rows(_log8_encode(scales), group, stats)).mean(0)
 
 
 def _log8_encode(scales: torch.Tensor) -> torch.Tensor:
@@ -211,9 +210,10 @@ def _log8_encode(scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, largest.reshape(1).view(torch.uint8)])
 
 
-def _log8_decode(row: torch.Tensor) -> torch.Tensor:
-    """float32 [n]: the scales :func:`_log8_encode` coded in ``row``."""
-    codes, largest = row[:-4], row[-4:].clone().view(torch.float32)  # clone: a view needs 4-byte alignment
+def _log8_decode(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [M, n]: the scales :func:`_log8_encode` coded in each of ``rows`` [M, n + 4]."""
+    # A copy of the last four bytes: view() as float32 needs them 4-byte aligned.
+    codes, largest = rows[:, :-4], rows[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     scales = largest * torch.exp2(-codes.to(torch.float32) / LOG_STEPS_PER_OCTAVE)
     return torch.where(codes == ZERO_CODE, 0.0, scales)
 
