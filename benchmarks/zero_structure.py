@@ -11,11 +11,19 @@ of that code and of the best row-and-column code (residual zeros as a list or a 
 whichever is cheaper), per tensor, summed over the model. Matrices are the weights' views as
 (first dimension, the rest), as Newton–Schulz sees them.
 
+Two more columns bound what any code could do that treats the zeros left outside zero rows
+and columns as independent of each other (their zeroth-order entropy, an ideal arithmetic
+coder's cost): with today's sign plane kept (every entry's bit, plus the zeros' positions),
+and with signs sent for the nonzero entries only. Each takes per tensor the cheaper of the
+plain entropy of the zero mask and the row and column masks plus the entropy of the rest.
+
     signmuon-bench zero-structure --task digits --batch-size 16 --steps 30
     signmuon-bench zero-structure --task mlp --batch-size 32 --steps 8
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,11 +34,21 @@ from signmuon.benchmarks.tasks import TASKS, loss_fn
 __all__ = ["zero_structure", "main"]
 
 
+def entropy_bits(count: int, n: int) -> float:
+    """n times the binary entropy of count / n: an ideal code of which of n entries are marked."""
+    if count in (0, n):
+        return 0.0
+    p = count / n
+    return -n * (p * math.log2(p) + (1 - p) * math.log2(1 - p))
+
+
 def zero_structure(tensors: list[torch.Tensor]) -> dict[str, float]:
     """Fractions of all entries that are zero, in a zero row, in a zero column (not in a zero
-    row) and neither; bits per entry of the vote's code (list, runs or plane) and of a
-    row-and-column code."""
-    totals = dict.fromkeys(("entries", "zeros", "rows", "columns", "residual", "bits_now", "bits_structured"), 0)
+    row) and neither; bits per entry of the vote's code (list, runs or plane), of a
+    row-and-column code, and the entropy bounds with and without a sign bit for zeros."""
+    keys = ("entries", "zeros", "rows", "columns", "residual", "bits_now", "bits_structured",
+            "entropy_with_plane", "entropy_nonzero_signs")  # fmt: skip
+    totals = dict.fromkeys(keys, 0)
     for t in tensors:
         zero = (t == 0).reshape(t.shape[0], -1) if t.dim() > 1 else (t == 0).reshape(1, -1)
         rows, cols = zero.all(dim=1), zero.all(dim=0)
@@ -48,6 +66,10 @@ def zero_structure(tensors: list[torch.Tensor]) -> dict[str, float]:
         totals["bits_now"] += n + (min(list_or_plane(k), 64 * runs) if k else 0)
         masks = sum(zero.shape) if k > residual else 0
         totals["bits_structured"] += n + (min(plane, masks + list_or_plane(residual)) if k else 0)
+        uncovered = n - int(covered.sum())
+        positions = min(entropy_bits(k, n), sum(zero.shape) + entropy_bits(residual, uncovered)) if k else 0.0
+        totals["entropy_with_plane"] += n + positions
+        totals["entropy_nonzero_signs"] += n - k + positions
     n = totals.pop("entries")
     return {key: value / n for key, value in totals.items()}
 
@@ -95,10 +117,11 @@ def main(argv: list[str] | None = None) -> list:
     rows = run(args.task, args.batch_size, args.steps, report, seed=args.seed)
     print(f"task={args.task} batch={args.batch_size} steps={args.steps} seed={args.seed} (fractions of all entries)")
     print(f"{'step':>5} {'tensor':>9} {'zeros':>7} {'in rows':>8} {'in cols':>8} {'residual':>9} "
-          f"{'bits now':>9} {'bits rows+cols':>15}")  # fmt: skip
+          f"{'bits now':>9} {'bits rows+cols':>15} {'entropy':>8} {'entropy, signs of nonzeros':>27}")  # fmt: skip
     for step, what, s in rows:
         print(f"{step:>5} {what:>9} {s['zeros']:>7.3f} {s['rows']:>8.3f} {s['columns']:>8.3f} {s['residual']:>9.4f} "
-              f"{s['bits_now']:>9.2f} {s['bits_structured']:>15.2f}")  # fmt: skip
+              f"{s['bits_now']:>9.2f} {s['bits_structured']:>15.2f} {s['entropy_with_plane']:>8.2f} "
+              f"{s['entropy_nonzero_signs']:>27.2f}")  # fmt: skip
     return rows
 
 

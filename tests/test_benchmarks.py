@@ -536,16 +536,23 @@ def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
     assert got["zeros"] == 10 / 24 and got["rows"] == 6 / 24 and got["columns"] == 3 / 24 and got["residual"] == 1 / 24
     assert got["bits_now"] == (24 + 64) / 24  # a plane (64 bits) beats a list of 10 (320)
     assert got["bits_structured"] == (24 + 4 + 6 + 32) / 24  # row and column masks, one listed zero
+    # Entropy: the plain mask (10 zeros of 24: 23.8 bits) loses to the masks (10 bits) plus the
+    # one zero among the 15 entries outside them (15 * H(1/15) = 5.2 bits).
+    structured = 10 + math.log2(15) + 14 * math.log2(15 / 14)
+    assert math.isclose(got["entropy_with_plane"], (24 + structured) / 24)
+    assert math.isclose(got["entropy_nonzero_signs"], (24 - 10 + structured) / 24)
     table = torch.ones(10, 64)
     table[:5] = 0  # an embedding's absent rows: one run of 320 zeros
     assert zero_structure([table])["bits_now"] == (640 + 64) / 640
     dense = zero_structure([torch.ones(3, 5), torch.ones(7)])
-    assert dense["bits_now"] == dense["bits_structured"] == 1.0
+    assert dense["bits_now"] == dense["bits_structured"] == dense["entropy_with_plane"] == 1.0
+    assert dense["entropy_nonzero_signs"] == 1.0
     rows = run("digits", batch_size=8, steps=3, report=[0, 2])
     assert [(step, what) for step, what, _ in rows] == [(0, "gradient"), (0, "momentum"), (2, "gradient"), (2, "momentum")]
     for _, _, s in rows:
         assert s["zeros"] > 0 and abs(s["rows"] + s["columns"] + s["residual"] - s["zeros"]) < 1e-12
         assert 1.0 <= s["bits_structured"] <= s["bits_now"] < 2.02  # a plane per tensor, padded to words
+        assert s["entropy_nonzero_signs"] < s["entropy_with_plane"] < s["bits_structured"]
 
 
 def test_plan_bytes_are_the_collectives_formulas():
