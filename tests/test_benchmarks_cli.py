@@ -1,0 +1,171 @@
+"""The benchmarks' command line (dispatch, one-line errors, help, the method registry) and the sweeps'
+aggregation over seeds and settings."""
+
+import json
+
+import pytest
+import torch
+
+from signmuon.benchmarks import bandwidth
+
+
+def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
+    import pytest
+
+    from signmuon.benchmarks.__main__ import COMMANDS, main
+
+    main(["ns-time", "--sizes", "32", "--repeats", "1"])
+    assert "size" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown command"):
+        main(["trian"])
+    assert set(COMMANDS) >= {"train", "bandwidth", "netem", "kernels", "ddp-step", "deepspeed-step"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--methods", "adamw", "lion"], "unknown method(s) ['lion']"),
+        (["train", "--world-size", "0"], "--world-size: 0 must be at least 1"),
+        (["train", "--task", "cifar10"], "--task cifar10 needs --data-dir"),
+        (["train", "--device", "cuda"] if not torch.cuda.is_available() else ["train", "--device", "tpu"], "--device"),
+        (["train", "--world-size", "4", "--ranks-per-node", "3"], "must be >= 1 and divide --world-size 4"),
+        (["bandwidth", "--sizes", "1Q"], "'1Q' is not a size"),
+        (["kernels", "--sizes", "0"], "must be at least one entry"),
+        (["ddp-step", "--world-size", "-2"], "-2 must be at least 1"),
+        (["sweep", "--methods", "adamw", "lion"], "unknown method(s) ['lion']"),
+        (["bandwidth", "--methods", "vote_fast"], "'vote_fast' is now called 'signsgd_mv'"),
+        (["ddp-step", "--methods", "sign_vote"], "'sign_vote' is now called 'signsgd_mv'"),
+        (["ddp-step", "--methods", "adamw"], "unknown method(s) ['adamw'] for ddp-step"),
+        (["netem", "--rates", "1gbit", "fast", "--", "train"], "give it in tc's units"),
+        (["netem", "--plot", "x.png", "--", "bandwidth"], "--plot draws training curves"),
+        (["train", "--size", "medium"], "--size medium is charlm's option"),
+        (["train", "--seeds", "1", "1"], "each seed once"),
+        (["sweep", "--lr-scales", "1", "-2"], "each must be a positive number"),
+        (["ns-precision", "--ranks", "-1"], "each must be >= 0"),
+        (["dppf-sweep", "--pulls", "1.5"], "each must lie in [0, 1]"),
+        (["dppf-sweep", "--pushes", "-0.1"], "each must be finite and >= 0"),
+        (["dppf-sweep", "--periods", "16"], "invalid choice: 16"),
+        (["train", "--outer-scale-bits", "4"], "--outer-scale-bits: invalid choice: 4"),
+        (["lost-node", "--down", "-1"], "--down: -1 must be a finite number >= 0"),
+        (["lost-node", "--down", "soon"], "'soon' is not a number"),
+    ],
+)  # fmt: skip
+def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, message, capsys):
+    from signmuon.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "error:" in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_sweep_aggregates_seeds_and_picks_the_lowest_mean():
+    from signmuon.benchmarks.sweep import aggregate
+
+    grid = [
+        {"method": "a", "lr_scale": 1.0, "seed": 0, "test_loss": 2.0},
+        {"method": "a", "lr_scale": 1.0, "seed": 1, "test_loss": 4.0},
+        {"method": "a", "lr_scale": 2.0, "seed": 0, "test_loss": 2.9},
+        {"method": "a", "lr_scale": 2.0, "seed": 1, "test_loss": 2.9},
+        {"method": "b", "lr_scale": 0.5, "seed": 0, "test_loss": float("nan")},
+        {"method": "b", "lr_scale": 1.0, "seed": 0, "test_loss": 1.0},
+    ]
+    summary = aggregate(grid)
+    assert summary["a"]["scales"][1.0]["mean"] == 3.0
+    assert summary["a"]["scales"][1.0]["std"] == pytest.approx(2**0.5)  # sample std of (2, 4)
+    assert summary["a"]["tuned_scale"] == 2.0 and summary["a"]["tuned"]["mean"] == pytest.approx(2.9)
+    assert summary["b"]["tuned_scale"] == 1.0, "a diverged (NaN) factor is never the tuned one"
+
+
+def test_sweep_runs_each_scale_and_seed(tmp_path):
+    from signmuon.benchmarks import sweep
+
+    out = tmp_path / "sweep.json"
+    # One method keeps it short: every method's builder takes the factor from the same config.
+    report = sweep.main(["--methods", "adamw", "--lr-scales", "0.5", "2", "--seeds", "0", "1",
+                         "--world-size", "2", "--steps", "3", "--json", str(out)])  # fmt: skip
+    assert len(report["grid"]) == 2 * 2
+    assert json.loads(out.read_text())["command"].startswith("signmuon-bench sweep --methods adamw")
+    losses = {(r["method"], r["lr_scale"], r["seed"]): r["test_loss"] for r in report["grid"]}
+    assert losses[("adamw", 0.5, 0)] != losses[("adamw", 2.0, 0)], "the factor reaches the optimizer"
+    assert losses[("adamw", 0.5, 0)] != losses[("adamw", 0.5, 1)], "the seed reaches the run"
+
+
+@pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
+                                     "ns-precision", "sweep", "dppf-sweep", "zero-structure", "lost-node"])  # fmt: skip
+def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
+    from signmuon.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: signmuon-bench {command} ")
+    assert "``" not in out and ":class:" not in out
+    assert "(default: " in out
+    from signmuon.benchmarks.registry import names_for
+
+    methods = names_for("train" if command == "sweep" else command)
+    assert all(f"  {name} " in out for name in methods)  # the registry's list, for commands with --methods
+
+
+def test_each_command_implements_exactly_its_registry_names():
+    from signmuon.benchmarks import ddp_step, deepspeed_step, train
+    from signmuon.benchmarks.registry import METHODS, RENAMED, names_for
+
+    assert set(train.METHODS) == set(names_for("train"))
+    assert bandwidth.METHODS == names_for("bandwidth") and ddp_step.METHODS == names_for("ddp-step")
+    assert deepspeed_step.METHODS == names_for("deepspeed-step")
+    assert all(info.commands for info in METHODS.values())
+    assert not set(RENAMED) & set(METHODS) and set(RENAMED.values()) <= set(METHODS)
+    with pytest.raises(ValueError, match="no implementation of 'signum_mv_optim'"):
+        ddp_step._register(None, "signum_mv_optim", None, None, None)
+
+
+def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():
+    from signmuon.benchmarks.dppf_sweep import aggregate
+
+    def row(period, pull, push, seed, loss, acc):
+        return {"period": period, "pull": pull, "push": push, "seed": seed, "test_loss": loss, "test_acc": acc,
+                "worker_acc": acc, "mean_distance": push}  # fmt: skip
+
+    rows = [
+        row(8, 1.0, 0.0, 0, 1.00, 0.90), row(8, 1.0, 0.0, 1, 1.10, 0.92),  # local SGD: loss 1.05 ± 0.07
+        row(8, 0.5, 0.2, 0, 0.80, 0.95), row(8, 0.5, 0.2, 1, 0.82, 0.96),  # better beyond the spread
+        row(8, 0.5, 0.0, 0, 1.00, 0.91), row(8, 0.5, 0.0, 1, 1.20, 0.93),  # overlaps
+        row(32, 1.0, 0.0, 0, 0.50, 0.99), row(32, 0.5, 0.2, 0, 0.90, float("nan")),  # worse; NaN acc is worse
+    ]  # fmt: skip
+    by_key = {(e["period"], e["pull"], e["push"]): e for e in aggregate(rows)}
+    assert by_key[(8, 1.0, 0.0)]["test_loss"] == (pytest.approx(1.05), pytest.approx(0.1 / 2**0.5))
+    assert by_key[(8, 1.0, 0.0)]["loss_beyond_spread"] is None, "local SGD is the reference"
+    assert (by_key[(8, 0.5, 0.2)]["loss_beyond_spread"], by_key[(8, 0.5, 0.2)]["acc_beyond_spread"]) == (1, 1)
+    assert (by_key[(8, 0.5, 0.0)]["loss_beyond_spread"], by_key[(8, 0.5, 0.0)]["acc_beyond_spread"]) == (0, 0)
+    assert (by_key[(32, 0.5, 0.2)]["loss_beyond_spread"], by_key[(32, 0.5, 0.2)]["acc_beyond_spread"]) == (-1, -1)
+
+
+def test_dppf_sweep_trains_local_sgd_and_each_pull_push(tmp_path):
+    from signmuon.benchmarks import dppf_sweep
+
+    report = dppf_sweep.main(["--periods", "8", "--pulls", "1", "--pushes", "0", "0.5", "--seeds", "0",
+                              "--world-size", "2", "--steps", "9", "--json", str(tmp_path / "d.json")])  # fmt: skip
+    runs = {(r["pull"], r["push"]): r for r in report["runs"]}
+    assert set(runs) == {(1.0, 0.0), (1.0, 0.5)} and all(r["rounds"] >= 1 for r in runs.values())
+    assert runs[(1.0, 0.0)]["test_loss"] != runs[(1.0, 0.5)]["test_loss"], "the push reaches the averager"
+    assert json.loads((tmp_path / "d.json").read_text())["summary"][0]["period"] == 8
+
+
+def test_demo_link_needs_a_rate():
+    from signmuon.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit, match="--link needs a rate"):
+        main(["demo", "--link"])
+
+
+def test_demo_help_is_its_own(capsys):
+    from signmuon.benchmarks.__main__ import main
+
+    main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--eval-every 25" in out
+

@@ -1,0 +1,65 @@
+"""The cost model behind ``signmuon-bench plan``: its byte counts are the formulas the
+collectives are tested against, its crossover is where the step times meet, and the CLI refuses
+bad input."""
+
+import pytest
+
+
+def test_plan_bytes_are_the_collectives_formulas():
+    from signmuon.benchmarks.cost import Cluster, Workload, predict
+    from signmuon.comm_hooks import vote_bytes_per_rank
+    from signmuon.comm_hooks.dist import ring_bytes
+
+    n = 1 << 20
+    flat = Cluster(4, 1, 1e9)  # one rank per node: everything a rank sends leaves its node
+    work = Workload(n, 0.01)
+    assert predict("allreduce", flat, work)["between_bytes_per_node"] == ring_bytes(4 * n, 4)
+    assert predict("bf16_allreduce", flat, work)["between_bytes_per_node"] == ring_bytes(2 * n, 4)
+    dense = predict("signsgd_mv", flat, work)["between_bytes_per_node"]
+    assert dense == pytest.approx(vote_bytes_per_rank(n, 4, agree_sizes=False), rel=1e-3)  # words and headers aside
+    nodes = Cluster(2, 2, 1e9)
+    node_vote = predict("signsgd_mv_node", nodes, work)
+    per_rail = vote_bytes_per_rank(n // 2, 2, agree_sizes=False)
+    assert node_vote["between_bytes_per_node"] == pytest.approx(2 * per_rail, rel=1e-3)  # the node's two rails
+    assert predict("signsgd_mv", flat, Workload(n, 0.01, zero_bits=1.0))["between_bytes_per_node"] == pytest.approx(2 * dense)
+    # Rounds every H steps: the fp32 round's ring over the nodes (each rail a 1/L slice), spread over H.
+    rounds = predict("diloco_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"]
+    assert rounds == pytest.approx(2 * ring_bytes(4 * n // 2, 2) / 8)
+    assert predict("diloco_vote_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"] == pytest.approx(rounds / 32)
+
+
+def test_plan_crossover_is_where_the_step_times_meet():
+    import math
+
+    from signmuon.benchmarks.cost import Cluster, Workload, crossover, predict
+
+    cluster, work = Cluster(8, 8, 1e9), Workload(100_000_000, 0.05, ((4096, 4096),) * 4)
+    rate = crossover("signmuon_node", cluster, work)
+    assert rate is not None and math.isfinite(rate)
+
+    def gap(bps):
+        c = Cluster(8, 8, bps)
+        return predict("signmuon_node", c, work)["step_s"] - predict("allreduce", c, work)["step_s"]
+
+    assert gap(rate * 0.9) < 0 < gap(rate * 1.1)  # the vote pays below the crossover, not above
+    assert crossover("allreduce", cluster, work) is None  # never faster than itself
+    # Newton–Schulz split over a node's ranks: less added time than on every rank alone.
+    assert predict("signmuon_node", cluster, work)["extra_s"] < predict("signmuon", cluster, work)["extra_s"]
+
+
+def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
+    from signmuon.benchmarks import plan
+    from signmuon.benchmarks.cost import parse_rate
+
+    rows = plan.main(["--model", "gpt-125m", "--nodes", "4", "--ranks-per-node", "8", "--link", "25gbit"])
+    by = {r["method"]: r for r in rows}
+    assert by["signsgd_mv_node"]["speedup"] > 1 > by["signmuon"]["speedup"] / by["signsgd_mv"]["speedup"]
+    params, matrices = plan.model_shapes("gpt-1.3b")
+    assert 1.25e9 < params < 1.4e9 and len(matrices) == 4 * 24
+    projection = plan.main(["--projection", "--plot", str(tmp_path / "p.png")])
+    assert len(projection) == 4 * 3 * 5 * 4 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert "projection, not a measurement" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan.main(["--nodes", "2"])  # neither --model nor --params
+    with pytest.raises(ValueError, match="kbit, mbit, gbit"):
+        parse_rate("fast")
