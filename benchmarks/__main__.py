@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         sys.exit(f"signmuon-bench: unknown command {command!r}\n{__doc__}")
     importlib.import_module(f"signmuon.benchmarks.{COMMANDS[command]}").main(rest)
+    importlib.import_module("signmuon.benchmarks.launch").end_torchrun_process()
 
 
 if __name__ == "__main__":

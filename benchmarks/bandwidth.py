@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int, size
 from signmuon.benchmarks.registry import names_for
-from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
+from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
 from signmuon.comm_hooks.dist import ring_bytes
 from signmuon.comm_hooks.vote import NodeVoteWork
@@ -217,3 +217,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    end_torchrun_process()

@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
-from signmuon.benchmarks.launch import run_distributed, run_torchrun, timed_calls, under_torchrun
+from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.benchmarks.registry import names_for
 from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.comm_hooks.dist import ring_bytes
@@ -219,3 +219,4 @@ def _write_json(rows: list[dict], path: str | None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_torchrun_process()

@@ -96,6 +96,21 @@ def torchrun_group(backend: str | None = None):
         yield
     finally:
         dist.destroy_process_group()
+        _destroyed_backends.append(backend)
+
+
+_destroyed_backends: list[str] = []  # the torchrun groups this process made and destroyed
+
+
+def end_torchrun_process() -> None:
+    """End a benchmark process whose gloo torchrun group :func:`torchrun_group` destroyed: flush
+    and leave with ``os._exit(0)``, as the local ranks do (gloo's worker threads outlive the group
+    on torch 2.13 and can abort the interpreter's teardown after the results are out). Returns
+    in any other process."""
+    if "gloo" in _destroyed_backends:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, threads: int = 1) -> list:

@@ -27,7 +27,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import check_device, command_parser, parse_methods, network_label, positive_int
 from signmuon.benchmarks.curves import seed_summary
-from signmuon.benchmarks.launch import run_distributed, run_torchrun, torchrun_group, under_torchrun
+from signmuon.benchmarks.launch import (
+    end_torchrun_process,
+    run_distributed,
+    run_torchrun,
+    torchrun_group,
+    under_torchrun,
+)
 from signmuon.benchmarks.train_report import (
     by_method, print_projection, print_summary, print_table, print_time_split, write_curves,
 )
@@ -322,3 +328,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    end_torchrun_process()

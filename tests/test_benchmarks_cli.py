@@ -2,6 +2,10 @@
 aggregation over seeds and settings."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,3 +173,32 @@ def test_demo_help_is_its_own(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--eval-every 25" in out
 
+
+END_AFTER_GROUP = """
+import atexit
+import torch.distributed as dist
+from signmuon.benchmarks.launch import end_torchrun_process, torchrun_group
+atexit.register(print, " teardown")
+if {make_group}:
+    with torchrun_group("gloo"):
+        print("ranks", dist.get_world_size(), end="")  # no newline: stays in the pipe's buffer
+end_torchrun_process()
+print(" returned", end="")
+"""
+
+
+def test_a_torchrun_benchmark_on_gloo_ends_without_the_interpreters_teardown():
+    """After its gloo group is gone, a benchmark under torchrun leaves with os._exit(0): the
+    teardown that can abort on torch 2.13 does not run, and what it printed is flushed first.
+    A process that made no group returns from it and ends normally."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    outputs = {}
+    for make_group in (True, False):
+        done = subprocess.run([sys.executable, "-c", END_AFTER_GROUP.format(make_group=make_group)], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done
+        outputs[make_group] = done.stdout
+    assert outputs == {True: "ranks 1", False: " returned teardown\n"}
