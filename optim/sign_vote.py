@@ -48,6 +48,15 @@ def _refuse_sparse(param: torch.Tensor, label: str, optimizer: str) -> None:
         raise ValueError(f"{label} is a {param.layout} tensor; {optimizer} needs dense parameters")
 
 
+def _refuse_sparse_gradients(params: list[torch.Tensor], optimizer: str) -> None:
+    for p in params:
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {optimizer} "
+                "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
+            )
+
+
 def state_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype of a parameter's optimizer state: float32 for 16-bit parameters (momentum
     and Newton–Schulz keep their precision), else the parameter's own."""
@@ -263,20 +272,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
                 loss = closure()
         name = type(self).__name__
         params = [p for group in self.param_groups for p in group["params"]]
-        for p in params:
-            if p.grad is not None and p.grad.layout != torch.strided:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient; {name} "
-                    "needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
-                )
-        if self.sharded_vote is not None:
-            voted, signs, averaged, means = self.sharded_vote.exchange(self, params, name)
-        else:
-            refuse_dtensors(params, name)
-            if self._comm_state is not None:
-                voted, signs, averaged, means = from_hook(self, self._comm_state, params, name)
-            else:
-                voted, signs, averaged, means = in_step(self, self._voter, params, name)
+        _refuse_sparse_gradients(params, name)
+        voted, signs, averaged, means = self.exchange(params, name)
         if self.vote_config.nonfinite == "raise":  # before any parameter moves
             for (_, p, _), g in zip(averaged, means):
                 if bool(nonfinite_flag(g)):
@@ -297,6 +294,16 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         if self._comm_state is not None:
             self._comm_state.stepped()  # the backward pass it checked is now stepped
         return loss
+
+    def exchange(self, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
+        """(voted, their signs, averaged, their mean gradients) of this step: from the FSDP
+        exchange, from the DDP hook's work, or voted here (``vote_in_step``)."""
+        if self.sharded_vote is not None:
+            return self.sharded_vote.exchange(self, params, name)
+        refuse_dtensors(params, name)
+        if self._comm_state is not None:
+            return from_hook(self, self._comm_state, params, name)
+        return in_step(self, self._voter, params, name)
 
     def split_by_path(self, params: list[torch.Tensor]) -> tuple[list, list]:
         """(voted, averaged): (group, param, path) of each parameter, by whether its update is voted."""
