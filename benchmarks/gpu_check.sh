@@ -9,7 +9,8 @@
 # step's compute takes on a GPU, against the 0.69 s its fp32 all-reduce needs at 1 Gbit/s on 4
 # ranks, the ratio the CPU time-to-target runs cannot show); and the FSDP2 vote on CUDA
 # (register_fsdp_vote, one rank, bf16 mixed precision, Triton kernels); one DiLoCo round per
-# pseudo-gradient rule (fp32 mean, sign vote, error-feedback scaled signs) on CUDA against CPU.
+# pseudo-gradient rule (fp32 mean, sign vote, error-feedback scaled signs, error-feedback votes
+# with 8-bit block scales) on CUDA against CPU.
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -129,16 +130,18 @@ PY
   echo "## Rounds on CUDA: one DiLoCo round per pseudo-gradient rule, CUDA against CPU, one rank"
   echo '```'
   MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 RANK=0 WORLD_SIZE=1 timeout 120 "$python" - <<'PY'
-import torch, torch.distributed as dist
+import dataclasses, torch, torch.distributed as dist
 from signmuon.optim import DPPFAverager, OuterStep
 dist.init_process_group("nccl")
 torch.cuda.set_device(0)
-for rule in ("mean", "sign_vote", "scaled_sign"):
+eight_bit = dataclasses.replace(OuterStep.diloco(pseudo_gradient="sign_vote_ef"), scale_block=64, scale_bits=8)
+for rule, outer in [(r, OuterStep.diloco(pseudo_gradient=r)) for r in ("mean", "sign_vote", "scaled_sign")] + [
+        ("sign_vote_ef, 8-bit scales per 64", eight_bit)]:
     results = []
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10)).to(device)
-        averager = DPPFAverager(period=1, pull=1.0, outer=OuterStep.diloco(pseudo_gradient=rule), module=net)
+        averager = DPPFAverager(period=1, pull=1.0, outer=outer, module=net)
         with torch.no_grad():
             for p in net.parameters():
                 p.grad = torch.zeros_like(p)

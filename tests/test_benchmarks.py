@@ -388,3 +388,26 @@ def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
         assert s["zeros"] > 0 and abs(s["rows"] + s["columns"] + s["residual"] - s["zeros"]) < 1e-12
         assert 1.0 <= s["bits_structured"] <= s["bits_now"] < 2.02  # a plane per tensor, padded to words
         assert s["entropy_nonzero_signs"] < s["entropy_with_plane"] < s["bits_structured"]
+
+
+def test_the_gpu_check_scripts_compile_and_their_imports_exist():
+    """gpu_check.sh runs only where a GPU is lent, rarely: its Python must not have gone stale."""
+    import ast
+    import importlib
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh").read_text()
+    snippets = re.findall(r"<<'PY'\n(.*?)\nPY\n", script, flags=re.S)
+    assert len(snippets) == 3, len(snippets)
+    modules = set(re.findall(r"-m (signmuon\.benchmarks\.\w+)", script))
+    assert modules, script
+    for module in modules:
+        assert hasattr(importlib.import_module(module), "main"), module
+    for snippet in snippets:
+        for node in ast.walk(ast.parse(snippet)):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("signmuon"):
+                imported = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(imported, alias.name):  # a submodule (kernels.cuda) loads on import
+                        importlib.import_module(f"{node.module}.{alias.name}")
