@@ -101,6 +101,9 @@ class Workload:
     """H, local steps per round of the rounds methods (``diloco_node``, ``diloco_vote_node``): their
     round's cost is spread over H steps. How many more steps rounds need to reach a loss is not
     modelled (measure it: ``train``)."""
+    round_bits: float = 1.0
+    """Bits per entry of a one-bit round (``diloco_vote_node``) between nodes: 1 for the signs
+    alone, more with block scales (``OuterStep.scale_block``, ``scale_bits``) or exact ties."""
     extra: dict = field(default_factory=dict)
     """Free-form notes carried to the report."""
 
@@ -156,7 +159,7 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
             extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
     elif method in ("diloco_node", "diloco_vote_node"):  # the node's all-reduce every step, a round every H
         H = workload.period
-        per_round = n / 8 if method == "diloco_vote_node" else 4 * n  # what the node's rails carry in all
+        per_round = n * workload.round_bits / 8 if method == "diloco_vote_node" else 4 * n  # the node's rails, in all
         between, rounds = 2 * (N - 1) / N * per_round / H, 2 * (N - 1) / H
         inside = _ring(4 * n, L) + (L - 1) / L * 4 * n / H  # the gradient, and the round's gather of slices
         rounds_in = 2 * (L - 1) + (L - 1) / H

@@ -75,6 +75,10 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
             else f"{cross / 1e9:.3g} Gbit/s"  # fmt: skip
         print(f"{r['method']:>16} {r['between_bytes_per_node'] / 1e6:>12.2f} {r['inside_bytes_per_rank'] / 1e6:>11.2f} "
               f"{r['comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} {r['speedup']:>8.2f}x {label:>12}")  # fmt: skip
+    if any(r["method"].startswith("diloco") for r in rows):
+        print(f"diloco_*: the node's all-reduce every step and a round every {workload.period} steps (--period), its "
+              f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
+              "per step only: how many more steps rounds need to reach a loss is not modelled (measure it: train)")  # fmt: skip
 
 
 def projection(plot: str | None = None) -> list[dict]:
@@ -193,6 +197,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--measure-kernels", action="store_true", help="measure the kernels on this machine's CPU")
     parser.add_argument("--ns-tflops", type=float, default=200.0, help="Newton–Schulz throughput")
     parser.add_argument("--zero-bits", type=float, default=0.0, help="extra bits per entry for the vote's zeros")
+    parser.add_argument("--period", type=positive_int, default=32, help="H: local steps per round (diloco_*)")
+    parser.add_argument("--round-bits", type=float, default=1.0,
+                        help="bits per entry of a one-bit round between nodes (diloco_vote_node; 1.17 with 8-bit "
+                             "scales per 64 entries on 2 nodes)")  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=list(PLAN_METHODS), choices=PLAN_METHODS)
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
@@ -206,6 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         if (args.model is None) == (args.params is None):
             parser.error("give --model or --params (one of them)")
+        if not (math.isfinite(args.round_bits) and args.round_bits >= 1):
+            parser.error(f"--round-bits {args.round_bits} must be at least 1 (the signs)")
         params, matrices = model_shapes(args.model) if args.model else (int(args.params), ())
         compute = args.compute_ms / 1e3 if args.compute_ms is not None else 6 * params * args.tokens_per_rank / (args.tflops * 1e12)
         kernel = args.kernel_gbps * 1e9
@@ -221,7 +231,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                               args.latency_us * 1e-6, parse_rate(args.intra_link), args.intra_latency_us * 1e-6)  # fmt: skip
         except ValueError as error:
             parser.error(str(error))
-        workload = Workload(params, compute, matrices, kernel, args.ns_tflops * 1e12, args.zero_bits)
+        workload = Workload(params, compute, matrices, kernel, args.ns_tflops * 1e12, args.zero_bits, args.period,
+                            args.round_bits)  # fmt: skip
         rows = _table(cluster, workload, args.methods)
         _print(rows, cluster, workload)
     if args.json:

@@ -63,3 +63,24 @@ def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
         plan.main(["--nodes", "2"])  # neither --model nor --params
     with pytest.raises(ValueError, match="kbit, mbit, gbit"):
         parse_rate("fast")
+
+
+def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
+    from signmuon.benchmarks import plan
+
+    common = ["--params", "1e8", "--compute-ms", "50", "--nodes", "4", "--ranks-per-node", "2", "--link", "1gbit",
+              "--methods", "allreduce_node", "diloco_node", "diloco_vote_node"]  # fmt: skip
+    default = {r["method"]: r for r in plan.main(common)}
+    assert "a round every 32 steps" in capsys.readouterr().out
+    chosen = {r["method"]: r for r in plan.main(common + ["--period", "8", "--round-bits", "1.17"])}
+    out = capsys.readouterr().out
+    assert "a round every 8 steps" in out and "at 1.17 bits per entry" in out
+    # A round every H steps: the node's share of the fp32 ring every step, over H; one-bit rounds a 32nd of that, times their bits.
+    every_step = default["allreduce_node"]["between_bytes_per_node"]
+    assert default["diloco_node"]["between_bytes_per_node"] == pytest.approx(every_step / 32)
+    assert chosen["diloco_node"]["between_bytes_per_node"] == pytest.approx(every_step / 8)
+    assert chosen["diloco_vote_node"]["between_bytes_per_node"] == pytest.approx(every_step / 8 / 32 * 1.17)
+    assert chosen["diloco_vote_node"]["step_s"] > default["diloco_vote_node"]["step_s"]
+    for bad in (["--period", "0"], ["--round-bits", "0.5"], ["--round-bits", "nan"]):
+        with pytest.raises(SystemExit):
+            plan.main(common + bad)
