@@ -59,16 +59,19 @@ def signum_direction(
     direction whose signs are voted: the momentum, or its Nesterov look-ahead ``G.lerp(M, beta)``.
 
     ``beta == 0`` is signSGD: the gradient itself, no momentum kept. A gradient holding NaN or
-    Inf is returned as it is and never enters the momentum: the vote sees the non-finite
-    entries and every rank skips (or raises on) the tensor.
+    Inf never enters the momentum, and the direction keeps them (the look-ahead carries the
+    gradient's NaN and Inf; without Nesterov the gradient itself is returned): the vote sees
+    the non-finite entries and every rank skips (or raises on) the tensor. The look-ahead reads
+    no flag on the host, so on a GPU it runs without synchronising.
     """
     if coupled_weight_decay:
         grad = grad.add(param, alpha=coupled_weight_decay)
     if beta == 0:
         return grad
-    if bool(advance_momentum(momentum, grad, beta)):
-        return grad
-    return grad.to(momentum.dtype).lerp(momentum, beta) if nesterov else momentum
+    bad = advance_momentum(momentum, grad, beta)
+    if nesterov:
+        return grad.to(momentum.dtype).lerp(momentum, beta)
+    return grad if bool(bad) else momentum
 
 
 def orthogonalize(

@@ -183,8 +183,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Pre-vote half on this worker: :meth:`elementwise_direction`, then :meth:`whole_direction`;
-        a non-finite gradient is returned as it is (every rank then skips the vote)."""
+        """Pre-vote half on this worker: :meth:`elementwise_direction`, then :meth:`whole_direction`.
+        A non-finite gradient leaves a non-finite direction (every rank then skips the vote);
+        where the direction is the gradient itself, the whole-tensor step is skipped too."""
         direction = self.elementwise_direction(param, grad)
         if not self.needs_whole(param) or direction is grad and bool(nonfinite_flag(grad)):
             return direction
