@@ -5,7 +5,7 @@ stops paying).
     signmuon-bench plan --model gpt-1.3b --nodes 16 --ranks-per-node 8 --link 100gbit
     signmuon-bench plan --params 14e6 --compute-ms 40 --nodes 2 --ranks-per-node 4 --link 1gbit --measure-kernels
     signmuon-bench plan --projection --plot projection.png     # published GPU-cluster figures
-    sudo signmuon-bench plan --validate                        # the model against netem runs here
+    sudo signmuon-bench plan --validate --repeats 3            # the model against netem runs here
 
 Compute time per step: ``--compute-ms``, or 6·n·tokens / throughput (``--tokens-per-rank``,
 ``--tflops``). The kernels' throughput: ``--kernel-gbps``, or ``--measure-kernels`` on this
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 from signmuon.benchmarks.cli import command_parser, positive_int
 from signmuon.benchmarks.cost import PLAN_METHODS, Cluster, Workload, crossover, parse_rate, predict
 
-__all__ = ["GPT_SIZES", "main", "model_shapes", "validate", "wire_seconds"]
+__all__ = ["GPT_SIZES", "main", "median_rows", "model_shapes", "validate", "wire_seconds"]
 
 # GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
 GPT_SIZES = {"gpt-125m": (12, 768, 50257), "gpt-1.3b": (24, 2048, 50257), "gpt-7b": (32, 4096, 50257),
@@ -140,13 +141,45 @@ def wire_seconds(nbytes: float, rate: str) -> float:
     return 8 * max(0.0, nbytes - burst) / bps
 
 
-def validate(rates=("30mbit", "100mbit", "1gbit"), base="10gbit", width: int = 512, steps: int = 8) -> list[dict]:
+def validate(
+    rates=("30mbit", "100mbit", "1gbit"), base="10gbit", width: int = 512, steps: int = 8, repeats: int = 1
+) -> list[dict]:
     """Predicted against measured step time under ``netem`` (root), 4 ranks flat and 2 × 2.
 
     The model's inputs come from a run at ``base`` rate (compute, kernels and Newton–Schulz as
     measured there, and each method's bytes leaving a node per step as its statistics count
     them, zeros included); predicted(rate) = step(base) + wire(bytes, rate) − wire(bytes, base)
-    (:func:`wire_seconds`)."""
+    (:func:`wire_seconds`). With ``repeats``, whole passes run one after another (the rates
+    interleaved) and each point is the median of its passes (:func:`median_rows`)."""
+    rows = median_rows([_validation_pass(rates, base, width, steps) for _ in range(repeats)])
+    print(f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}"
+          + ("  each pass" if repeats > 1 else ""))  # fmt: skip
+    for r in rows:
+        passes = "  " + " ".join(f"{x:.2f}" for x in r["pass_ratios"]) if repeats > 1 else ""
+        print(f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
+              f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f}{passes}")  # fmt: skip
+    within = sum(abs(r["ratio"] - 1) <= 0.2 for r in rows)
+    print(f"{within} of {len(rows)} points within 20%" + (f" (medians of {repeats} passes)" if repeats > 1 else ""))
+    return rows
+
+
+def median_rows(passes: list[list[dict]]) -> list[dict]:
+    """One row per point: the medians over ``passes`` of its predicted and measured step times,
+    their ratio, and each pass's own ratio (``pass_ratios``)."""
+    rows = []
+    for i, first in enumerate(passes[0]):
+        points = [p[i] for p in passes]
+        if any((q["layout"], q["method"], q["rate"]) != (first["layout"], first["method"], first["rate"]) for q in points):
+            raise ValueError("the validation passes list their points in different orders")
+        predicted = statistics.median(q["predicted_s"] for q in points)
+        measured = statistics.median(q["measured_s"] for q in points)
+        rows.append({"layout": first["layout"], "method": first["method"], "rate": first["rate"], "predicted_s": predicted,
+                     "measured_s": measured, "ratio": predicted / measured,
+                     "pass_ratios": [q["predicted_s"] / q["measured_s"] for q in points]})  # fmt: skip
+    return rows
+
+
+def _validation_pass(rates, base: str, width: int, steps: int) -> list[dict]:
     from signmuon.benchmarks import netem
 
     layouts = {
@@ -172,10 +205,6 @@ def validate(rates=("30mbit", "100mbit", "1gbit"), base="10gbit", width: int = 5
                 got = measured[rate][method]["step_s"]
                 rows.append({"layout": f"{4 // per_node}x{per_node}", "method": method, "rate": rate,
                              "predicted_s": predicted, "measured_s": got, "ratio": predicted / got})  # fmt: skip
-    print(f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}")
-    for r in rows:
-        print(f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
-              f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f}")  # fmt: skip
     return rows
 
 
@@ -205,12 +234,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
     parser.add_argument("--validate", action="store_true", help="predicted vs measured under netem (root)")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="with --validate: passes, medians per point")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
+    if args.repeats != 1 and not args.validate:
+        parser.error("--repeats applies to --validate")
     if args.projection:
         rows = projection(args.plot)
     elif args.validate:
-        rows = validate()
+        rows = validate(repeats=args.repeats)
     else:
         if (args.model is None) == (args.params is None):
             parser.error("give --model or --params (one of them)")

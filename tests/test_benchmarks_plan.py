@@ -84,3 +84,21 @@ def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
     for bad in (["--period", "0"], ["--round-bits", "0.5"], ["--round-bits", "nan"]):
         with pytest.raises(SystemExit):
             plan.main(common + bad)
+
+
+def test_validation_passes_combine_into_medians_per_point():
+    from signmuon.benchmarks.plan import main, median_rows
+
+    def point(rate, predicted, measured):
+        return {"layout": "4x1", "method": "signsgd_mv", "rate": rate, "predicted_s": predicted, "measured_s": measured}
+
+    passes = [[point("30mbit", 0.05, 0.04), point("1gbit", 0.03, 0.02)],
+              [point("30mbit", 0.06, 0.05), point("1gbit", 0.03, 0.04)],
+              [point("30mbit", 0.07, 0.03), point("1gbit", 0.03, 0.03)]]  # fmt: skip
+    slow, fast = median_rows(passes)
+    assert (slow["predicted_s"], slow["measured_s"]) == (0.06, 0.04) and slow["ratio"] == pytest.approx(1.5)
+    assert fast["ratio"] == pytest.approx(1.0) and fast["pass_ratios"] == pytest.approx([1.5, 0.75, 1.0])
+    with pytest.raises(ValueError, match="different orders"):
+        median_rows([passes[0], passes[1][::-1]])
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt-125m", "--repeats", "3"])  # without --validate
