@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.comm_hooks.dist import NonFiniteError, nonfinite_flag
+from signmuon.comm_hooks.dist import NonFiniteError
 
 from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction, step_size
 from .newton_schulz import MUON_COEFFICIENTS
@@ -208,9 +208,9 @@ class SignMuon(SignVoteOptimizer):
         """Matrices move by :func:`~signmuon.optim.functional.step_size`, the rest by ``lr``."""
         return step_size(group["lr"], group["lr_scaling"], param) if path == "matrix" else group["lr"]
 
-    def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
+    def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, nonfinite: bool) -> None:
         """AdamW on the all-reduced mean gradient; a non-finite mean skips the parameter."""
-        if bool(nonfinite_flag(grad)):  # the mean gradient: the same on every rank
+        if nonfinite:  # the mean gradient's: the same on every rank
             if self.vote_config.nonfinite == "raise":
                 raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(param.shape)}")
             self.stats.skipped += 1

@@ -203,8 +203,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         """How far one unit of the update moves an entry."""
         return group["lr"]
 
-    def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
-        """The update of a parameter whose mean gradient was all-reduced (no such path here)."""
+    def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, nonfinite: bool) -> None:
+        """The update of a parameter whose mean gradient ``grad`` was all-reduced (no such path
+        here); ``nonfinite``: it holds NaN or Inf (the same on every rank)."""
         raise NotImplementedError(f"{type(self).__name__} votes every parameter")
 
     def settings(self) -> dict[str, Any]:
@@ -275,9 +276,11 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         _refuse_sparse_gradients(params, name)
         voted, signs, averaged, means = self.exchange(params, name)
+        # One host read for all the averaged gradients' flags (a read per parameter stalls a GPU).
+        bad_means = torch.stack([nonfinite_flag(g) for g in means]).tolist() if means else []
         if self.vote_config.nonfinite == "raise":  # before any parameter moves
-            for (_, p, _), g in zip(averaged, means):
-                if bool(nonfinite_flag(g)):
+            for (_, p, _), bad in zip(averaged, bad_means):
+                if bad:
                     raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}")
         for (group, p, path), s in zip(voted, signs):
             # Sharded: finish_vote ran on the whole tensor at its owner.
@@ -286,8 +289,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
             if group["weight_decay"]:
                 target.mul_(1 - group["lr"] * group["weight_decay"])
             target.add_(update, alpha=-self.step_length(group, p, path))
-        for (group, p, _), g in zip(averaged, means):
-            self.apply_mean(group, p, g)
+        for (group, p, _), g, bad in zip(averaged, means, bad_means):
+            self.apply_mean(group, p, g, bad)
         for _, p, _ in voted + averaged:
             if "master_weight" in self.state[p]:
                 local_tensor(p).copy_(self.state[p]["master_weight"])  # the parameter: the master, rounded

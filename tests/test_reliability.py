@@ -85,6 +85,31 @@ def test_nan_in_one_rank_never_reaches_parameters_or_momentum(kind):
         assert torch.equal(a, b), "replicas diverged"
 
 
+def _bad_averaged_gradient_worker(rank, world_size, nonfinite):
+    net = tiny_net()
+    opt = SignMuon(net.parameters(), lr=0.01, non_matrix="adamw", vote_in_step=True, vote=VoteConfig(nonfinite=nonfinite))
+    before = [p.detach().clone() for p in net.parameters()]
+    for index, p in enumerate(net.parameters()):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * rank + index))
+    if rank == 0:
+        net[2].bias.grad[1] = float("nan")  # an AdamW-routed parameter: its all-reduced mean is NaN everywhere
+    raised = capture(opt.step)
+    moved = [not torch.equal(a, b) for a, b in zip(before, net.parameters())]
+    return raised, moved, opt.stats.skipped
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_bad_averaged_gradient_is_skipped_or_raised_on_every_rank(nonfinite):
+    """SignMuon's AdamW path reads all its mean gradients' flags at once: a NaN in one of them
+    skips that parameter alone (counted), or raises on every rank before anything moves."""
+    for raised, moved, skipped in run_distributed(_bad_averaged_gradient_worker, 2, nonfinite):
+        if nonfinite == "skip":
+            assert raised is None and moved == [True, True, True, False] and skipped == 1, (raised, moved)
+        else:
+            assert raised.startswith("NonFiniteError") and "averaged gradient of a parameter of shape (3,)" in raised
+            assert moved == [False] * 4
+
+
 # --- Byzantine workers -----------------------------------------------------------------------
 
 
