@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.repeats != 1 and not args.validate:
         parser.error("--repeats applies to --validate")
+    if (args.projection or args.validate) and (args.period != 32 or args.round_bits != 1.0):
+        parser.error("--period and --round-bits describe a cluster you plan (--model or --params); the projection "
+                     "and the validation use their own settings")  # fmt: skip
     if args.projection:
         rows = projection(args.plot)
     elif args.validate:

@@ -84,6 +84,9 @@ def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
     for bad in (["--period", "0"], ["--round-bits", "0.5"], ["--round-bits", "nan"]):
         with pytest.raises(SystemExit):
             plan.main(common + bad)
+    with pytest.raises(SystemExit):  # the projection has its own H: not silently ignored
+        plan.main(["--projection", "--period", "8"])
+    assert "describe a cluster you plan" in capsys.readouterr().err
 
 
 def test_validation_passes_combine_into_medians_per_point():
