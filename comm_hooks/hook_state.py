@@ -215,7 +215,7 @@ class VoteHookState:
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         voted: list[bool] | None = None,
         input_nonfinite: torch.Tensor | None = None,
-        prepare: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prepare: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
         momentum: MomentumStep | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
@@ -224,7 +224,8 @@ class VoteHookState:
         ``voted`` marks which of the bucket's parameters ``voter`` holds (default: all);
         ``input_nonfinite`` (0-d bool) flags a non-finite gradient behind a finite ``voter``.
         Node-aware (``VoteConfig(hierarchical=True)``): ``voter`` is the gradient, averaged in
-        the node first, and ``prepare`` maps that node mean to (what to vote, non-finite flag).
+        the node first, and ``prepare`` maps that node mean and the slice of it this rank votes to
+        (what to vote of those entries, the whole mean's non-finite flag).
         Flat: ``momentum`` (a :class:`MomentumStep`) makes ``voter`` a momentum buffer advanced
         while it is packed.
         """
@@ -291,10 +292,10 @@ class VoteHookState:
             setattr(self, slot, value)
 
     def state_dict(self) -> dict:
-        """Iteration count, world size and statistics (plain types and tensors: loads with
-        ``torch.load(..., weights_only=True)``)."""
-        world_size, _ = group_size_rank(self.process_group)
-        return {"iter": self.iter, "world_size": world_size, "stats": self.stats.state_dict()}
+        """Iteration count, world size, this rank and statistics (plain types and tensors: loads
+        with ``torch.load(..., weights_only=True)``)."""
+        world_size, rank = group_size_rank(self.process_group)
+        return {"iter": self.iter, "world_size": world_size, "rank": rank, "stats": self.stats.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict`; raises ValueError if it was saved on another world size."""

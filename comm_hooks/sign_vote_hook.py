@@ -29,7 +29,8 @@ counter. Signum's finiteness check of the gradient stays on the device.
 
 With ``VoteConfig(hierarchical=True)`` the hook votes node-aware (``vote.node_vote``):
 gradients are averaged inside each node in full precision and only the node means' signs are
-voted between nodes; Signum's momentum then follows the node mean.
+voted between nodes; Signum's momentum then follows the node mean, and each local rank keeps
+only the slice of it that it votes (1/L of the bucket, L ranks per node).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -39,8 +40,8 @@ import torch.distributed as dist
 from .allreduce import allreduce_mean
 from .hook_state import VoteHookState
 from .momentum import advance_momentum
-from .dist import nonfinite_flag
-from .vote import MomentumStep, VoteConfig
+from .dist import group_size_rank, nonfinite_flag
+from .vote import MomentumStep, VoteConfig, merge_in_node, node_slice
 
 __all__ = ["SignVoteState", "sign_vote_hook"]
 
@@ -65,7 +66,9 @@ class SignVoteState(VoteHookState):
         # internal state
         "momentum_buffers",
         "layouts",
+        "buffer_starts",
         "unplaced",
+        "unplaced_starts",
     )
 
     def __init__(
@@ -89,9 +92,11 @@ class SignVoteState(VoteHookState):
             )
         self.momentum = float(momentum)
         self.start_iter = start_iter
-        self.momentum_buffers: dict[int, torch.Tensor] = {}  # bucket index -> [n] flat momentum
+        self.momentum_buffers: dict[int, torch.Tensor] = {}  # bucket index -> flat momentum of its entries held here
         self.layouts: dict[int, tuple[tuple[int, int, int], ...]] = {}  # bucket index -> its layout
+        self.buffer_starts: dict[int, int] = {}  # bucket index -> its first entry held here (node-aware: a slice)
         self.unplaced: dict[int, torch.Tensor] = {}  # key -> momentum not yet in a bucket buffer
+        self.unplaced_starts: dict[int, int] = {}  # key -> where a partial piece starts in its parameter
 
     def settings(self) -> dict:
         return {**super().settings(), "momentum": self.momentum, "start_iter": self.start_iter}
@@ -110,18 +115,29 @@ class SignVoteState(VoteHookState):
         super().begin_bucket(bucket)
         self._layout(bucket)  # give parameters their keys from the very first layout (warm-up too)
 
-    def _pieces(self) -> dict[int, torch.Tensor]:
-        """Every parameter's momentum, as views into the flat buffers (plus unplaced ones)."""
-        pieces = dict(self.unplaced)
+    def _pieces(self) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+        """The momentum held here per parameter, as views into the buffers (plus unplaced
+        pieces), and where each partial piece starts inside its parameter (node-aware: this
+        rank holds its slice of each bucket, so a parameter may be split over the node)."""
+        pieces, starts = dict(self.unplaced), dict(self.unplaced_starts)
         for index, buf in self.momentum_buffers.items():
+            lo = self.buffer_starts[index]
+            hi = lo + buf.numel()
             for key, offset, numel in self.layouts[index]:
-                pieces[key] = buf[offset : offset + numel]
-        return pieces
+                first, stop = max(offset, lo), min(offset + numel, hi)
+                if first >= stop:
+                    continue
+                pieces[key] = buf[first - lo : stop - lo]
+                if stop - first < numel:
+                    starts[key] = first - offset
+        return pieces, starts
 
     def momentum_buffer(self, bucket: dist.GradBucket, grad: torch.Tensor) -> torch.Tensor:
-        """The bucket's flat momentum, zero at first (float32 for half-precision gradients).
+        """The bucket's flat momentum, zero at first (float32 for half-precision gradients);
+        node-aware, only the slice of entries this rank votes (``vote.node_slice``).
 
-        Kept per bucket for speed, but moved parameter by parameter when DDP re-buckets.
+        Kept per bucket for speed, but moved parameter by parameter when DDP re-buckets (and
+        node-aware, merged over the node's ranks, whose slices then cut the parameters anew).
         """
         index, layout = bucket.index(), self._layout(bucket)
         if self.layouts.get(index) != layout:
@@ -130,40 +146,71 @@ class SignVoteState(VoteHookState):
                 # Re-bucketed (this bucket changed, or holds parameters another one held):
                 # release every bucket's momentum per parameter. A bucket merely not seen yet
                 # (the first step of each) joins the others.
-                self.unplaced = self._pieces()
-                self.momentum_buffers, self.layouts = {}, {}
+                self.unplaced, self.unplaced_starts = self._pieces()
+                self.momentum_buffers, self.layouts, self.buffer_starts = {}, {}, {}
+            node = self.node_layout()
             dtype = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-            buf = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
+            whole = torch.zeros(grad.numel(), dtype=dtype, device=grad.device)
+            held = torch.zeros(grad.numel(), dtype=torch.bool, device=grad.device)
             for key, offset, numel in layout:
                 piece = self.unplaced.pop(key, None)
-                if piece is not None:
-                    if piece.numel() != numel:
-                        raise ValueError(
-                            f"the loaded momentum of parameter {key} has {piece.numel()} entries, the parameter "
-                            f"{numel}: the checkpoint is of another model"
-                        )
-                    buf[offset : offset + numel] = piece.reshape(-1)
-            self.momentum_buffers[index], self.layouts[index] = buf, layout
+                start = self.unplaced_starts.pop(key, 0)
+                if piece is None:
+                    continue
+                fits = start + piece.numel() <= numel
+                if not fits or (node is None and piece.numel() != numel):
+                    why = "the checkpoint is of another model" if not fits else \
+                        "a slice saved by the node-aware vote: resume with the same VoteConfig"  # fmt: skip
+                    raise ValueError(
+                        f"the loaded momentum of parameter {key} holds entries [{start}, {start + piece.numel()}) "
+                        f"of its {numel}: {why}"
+                    )
+                whole[offset + start : offset + start + piece.numel()] = piece.reshape(-1)
+                held[offset + start : offset + start + piece.numel()] = True
+            lo, hi = 0, grad.numel()
+            if node is not None:
+                merge_in_node(whole, held, node, self.stats)
+                lo, hi = node_slice(grad.numel(), node)
+            self.momentum_buffers[index] = whole[lo:hi].clone() if hi - lo < grad.numel() else whole.view(grad.shape)
+            self.layouts[index], self.buffer_starts[index] = layout, lo
         return self.momentum_buffers[index]
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         # Per parameter, like state_dict: parameter keys, not bucket layouts, survive a restart.
-        state.update(momentum_buffers={}, layouts={}, unplaced=self._pieces())
+        pieces, starts = self._pieces()
+        state.update(momentum_buffers={}, layouts={}, buffer_starts={}, unplaced=pieces, unplaced_starts=starts)
         return state
 
     def state_dict(self) -> dict:
-        """Iteration count, momentum per parameter (cloned) and statistics."""
-        return {**super().state_dict(), "momentum": {k: v.detach().clone() for k, v in self._pieces().items()}}
+        """Iteration count, momentum per parameter (cloned) and statistics. Node-aware, each rank
+        holds its slice of the node's momentum: ``momentum_starts`` says where a partial piece
+        starts inside its parameter; resume every rank from its own state."""
+        pieces, starts = self._pieces()
+        return {**super().state_dict(), "momentum": {k: v.detach().clone() for k, v in pieces.items()},
+                "momentum_starts": dict(starts)}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
         for key, value in state_dict["momentum"].items():
             if not (torch.is_tensor(value) and value.is_floating_point()):
                 kind = value.dtype if torch.is_tensor(value) else type(value).__name__
                 raise ValueError(f"the checkpoint's momentum of parameter {key} is {kind}; expected a float tensor")
+        starts = {int(k): v for k, v in state_dict.get("momentum_starts", {}).items()}
+        for key, start in starts.items():
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0 or key not in state_dict["momentum"]:
+                raise ValueError(f"the checkpoint's momentum start of parameter {key} is {start!r}; expected an int >= 0 "
+                                 "of a parameter it holds momentum for")  # fmt: skip
+        _, rank = group_size_rank(self.process_group)
+        saved_rank = int(state_dict.get("rank", rank))
+        if state_dict["momentum"] and saved_rank != rank:
+            raise ValueError(
+                f"rank {rank} is loading the hook state rank {saved_rank} saved: each rank's momentum (node-aware: "
+                "its slice of the node's) is its own, so load every rank's own state (e.g. a file per rank)"
+            )
         super().load_state_dict(state_dict)
-        self.momentum_buffers, self.layouts = {}, {}
+        self.momentum_buffers, self.layouts, self.buffer_starts = {}, {}, {}
         self.unplaced = {int(k): v.detach().clone() for k, v in state_dict["momentum"].items()}
+        self.unplaced_starts = starts
 
 
 def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -175,11 +222,15 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
         return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
-    if state.node_layout() is not None:  # momentum on the node's mean gradient
-        prepare = None
-        if state.momentum > 0:
-            buf = state.momentum_buffer(bucket, grad)
-            prepare = lambda mean: (buf, advance_momentum(buf, mean, state.momentum))  # noqa: E731
+    if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it
+        if state.momentum == 0:
+            return state.vote(bucket, grad, out=grad)
+        buf = state.momentum_buffer(bucket, grad)
+
+        def prepare(mean: torch.Tensor, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            bad = nonfinite_flag(mean)  # the whole node mean's: every rail skips alike
+            return buf, advance_momentum(buf, mean[part], state.momentum, nonfinite=bad)
+
         return state.vote(bucket, grad, out=grad, prepare=prepare)
     if state.momentum == 0:
         return state.vote(bucket, grad, out=grad)

@@ -211,6 +211,143 @@ def test_node_aware_signmuon_resumes_bit_identically(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(whole[r], resumed[r])), f"rank {r}"
 
 
+def _signum_resume_worker(rank, world_size, steps, load, save, whole_pieces):
+    net = tiny_net()
+    model = DDP(net, bucket_cap_mb=0.0005)  # several buckets, cut anew when DDP re-buckets
+    state = SignVoteState(momentum=BETA, start_iter=1, vote=VoteConfig(hierarchical=True, ranks_per_node=2, seed=3))
+    model.register_comm_hook(state, sign_vote_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    start = 0
+    if load:
+        saved = torch.load(f"{load}.rank{rank}", weights_only=True)
+        net.load_state_dict(saved["model"])
+        state.load_state_dict(saved["whole" if whole_pieces else "hook"])
+        start = saved["step"]
+    for step in range(start, start + steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if save:
+        hook = state.state_dict()
+        # The node's momentum, whole on every rank, as the hook kept it before the slices.
+        whole = {state.param_key(p): torch.zeros(p.numel()) for p in net.parameters()}
+        for key, piece in hook["momentum"].items():
+            first = hook["momentum_starts"].get(key, 0)
+            whole[key][first : first + piece.numel()] = piece
+        node_group = state.layout.node_group
+        for piece in whole.values():
+            torch.distributed.all_reduce(piece, group=node_group)  # the node's slices are disjoint
+        whole_state = {**hook, "momentum": whole, "momentum_starts": {}}
+        torch.save({"model": net.state_dict(), "hook": hook, "whole": whole_state, "step": start + steps},
+                   f"{save}.rank{rank}")  # fmt: skip
+    held = sum(buf.numel() for buf in state.momentum_buffers.values())
+    return [p.detach().clone() for p in net.parameters()], held, sum(p.numel() for p in net.parameters())
+
+
+@pytest.mark.parametrize("whole_pieces", [False, True], ids=["slices", "whole-momentum-checkpoint"])
+def test_node_aware_signum_hook_keeps_a_slice_and_resumes_bit_identically(tmp_path, whole_pieces):
+    whole = run_distributed(_signum_resume_worker, 4, 6, None, None, False)
+    for params, held, total in whole:
+        assert total // 2 <= held <= total // 2 + 16, "each of 2 local ranks holds about half the momentum"
+    run_distributed(_signum_resume_worker, 4, 3, None, str(tmp_path / "ckpt"), False)
+    resumed = run_distributed(_signum_resume_worker, 4, 3, str(tmp_path / "ckpt"), None, whole_pieces)
+    for r in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(whole[r][0], resumed[r][0])), f"rank {r}"
+        assert resumed[r][1] == whole[r][1]
+    saved = torch.load(f"{tmp_path / 'ckpt'}.rank1", weights_only=True)["hook"]
+    assert saved["rank"] == 1 and saved["momentum_starts"], "a parameter split over the node's two slices"
+
+
+def _nan_in_one_slice_worker(rank, world_size):
+    net = tiny_net()
+    model = DDP(net)  # one bucket, split between the node's two slices
+    state = SignVoteState(momentum=BETA, start_iter=1, vote=VoteConfig(hierarchical=True, ranks_per_node=2))
+    model.register_comm_hook(state, sign_vote_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    last = list(net.parameters())[-1]
+    poison = {"on": False}
+    last.register_hook(lambda g: g.index_fill(0, torch.tensor([g.shape[0] - 1]), float("nan")) if poison["on"] else g)
+    snapshots = []
+    for step in range(4):
+        poison["on"] = rank == 1 and step == 2  # one entry, near the bucket's end: in local rank 1's slice
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        momentum = state.state_dict()["momentum"]
+        snapshots.append(([p.detach().clone() for p in net.parameters()], {k: v.clone() for k, v in momentum.items()}))
+    return snapshots, state.stats.skipped
+
+
+def test_a_nan_in_one_local_ranks_slice_skips_the_bucket_on_every_rank():
+    results = run_distributed(_nan_in_one_slice_worker, 4)
+    for rank, (snapshots, skipped) in enumerate(results):
+        assert skipped == 1
+        before, after = snapshots[1], snapshots[2]
+        assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])), "the poisoned step moves nothing"
+        assert before[1].keys() == after[1].keys()
+        kept = all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+        # Node 0's mean holds the NaN: neither of its slices takes it; node 1's mean is finite.
+        assert kept == (rank < 2), f"rank {rank}"
+        assert all(torch.isfinite(v).all() for v in after[1].values())
+        assert not all(torch.equal(a, b) for a, b in zip(after[0], snapshots[3][0])), "the next step moves again"
+    for snapshots, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0][-1][0], snapshots[-1][0]))
+
+
+def _merge_worker(rank, world_size):
+    from signmuon.comm_hooks import CommStats, node_layout
+    from signmuon.comm_hooks.vote import merge_in_node
+
+    layout = node_layout(None, 2)
+    values = torch.full((6,), float(10 * rank + 1)) + torch.arange(6.0)
+    held = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 1, 0, 0, 0]][layout.local_rank], dtype=torch.bool)
+    stats = CommStats()
+    merge_in_node(values, held, layout, stats)
+    return values, stats.bytes_sent_inside_node, stats.bytes_sent_between_nodes
+
+
+def test_merge_in_node_takes_the_lowest_holder_and_zeroes_what_none_holds():
+    results = run_distributed(_merge_worker, 4)
+    for rank, (values, inside, between) in enumerate(results):
+        first = 10 * (rank - rank % 2)  # the node's local rank 0
+        expected = torch.tensor([first + 1, first + 2, first + 10 + 1 + 2, 0, first + 5, 0])
+        assert torch.equal(values, expected), (rank, values)
+        assert inside == 6 * 4 + 6 * 4 and between == 0  # two ring all-reduces of 2 ranks: int32 holders, values
+
+
+def test_a_rank_refuses_another_ranks_momentum_and_a_flat_hook_a_slice():
+    state = SignVoteState(momentum=0.9, start_iter=1)
+    saved = {**state.state_dict(), "rank": 3, "momentum": {0: torch.zeros(4)}}
+    with pytest.raises(ValueError, match="rank 0 is loading the hook state rank 3 saved"):
+        state.load_state_dict(saved)
+    state.load_state_dict({**saved, "momentum": {}})  # no momentum: nothing of another rank's is taken
+    with pytest.raises(ValueError, match="momentum start of parameter 0"):
+        state.load_state_dict({**saved, "rank": 0, "momentum_starts": {0: -1}})
+
+
+def _slice_into_flat_worker(rank, world_size):
+    net = tiny_net()
+    model = DDP(net)
+    state = SignVoteState(momentum=BETA, start_iter=1)
+    first = next(net.parameters())
+    state.load_state_dict({**state.state_dict(), "iter": 1, "momentum": {0: torch.zeros(first.numel() - 1)},
+                           "momentum_starts": {0: 1}})  # fmt: skip
+    model.register_comm_hook(state, sign_vote_hook)
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_flat_hook_refuses_a_slice_of_the_node_aware_momentum():
+    for message in run_distributed(_slice_into_flat_worker, 2):
+        assert message is not None and "a slice saved by the node-aware vote" in message, message
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,17 @@ from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes
 from .encoding import MomentumStep
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
 from .faults import ByzantineFault
-from .node_vote import NodeVoteWork, gather_in_node, matrix_cost, node_mean, owners, vote_owned, world_mean
+from .node_vote import (
+    NodeVoteWork,
+    gather_in_node,
+    matrix_cost,
+    merge_in_node,
+    node_mean,
+    node_slice,
+    owners,
+    vote_owned,
+    world_mean,
+)
 from .scaled_sign import error_buffer_sizes, scaled_sign_allreduce
 from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
 from .topology import NodeLayout, node_layout
@@ -27,8 +37,10 @@ __all__ = [
     "majority_vote",
     "majority_vote_async",
     "matrix_cost",
+    "merge_in_node",
     "node_layout",
     "node_mean",
+    "node_slice",
     "owners",
     "pack_nonzero",
     "pack_planes",

@@ -3,9 +3,11 @@
 With N nodes of L ranks (``topology``), per tensor of n entries::
 
     1. all-reduce inside the node (full precision):  every local rank holds the node mean
-    2. (optional) momentum on the node mean, the same on every local rank of the node
-    3. local rank l votes entries [l*c, (l+1)*c), c = ceil(n/L), with the ranks of local
-       index l on the other nodes (its *rail*): the vote's own exchange, N voters
+    2. local rank l takes entries [l*c, (l+1)*c) of it, c = ceil(n/L) (:func:`node_slice`),
+       and (optional) advances its momentum of those entries only: L local ranks keep one
+       momentum between them
+    3. local rank l votes its entries with the ranks of local index l on the other nodes
+       (its *rail*): the vote's own exchange, N voters
     4. all-gather inside the node of the voted slices (int8, one byte per entry)
 
 The voters are the N nodes, each voting the sign of its mean gradient. Bytes that cross
@@ -29,17 +31,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from ..dist import CommStats, NonFiniteError, flatten, gather_rows, mean_all_reduce, nonfinite_flag, split_like
+from ..dist import CommStats, NonFiniteError, flatten, gather_rows, mean_all_reduce, nonfinite_flag, ring_bytes, split_like
 from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
 from .topology import NodeLayout
 
-__all__ = ["NodeVoteWork", "gather_in_node", "node_mean", "owners", "vote_owned", "world_mean", "matrix_cost"]
+__all__ = ["NodeVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners", "vote_owned",
+           "world_mean", "matrix_cost"]  # fmt: skip
 
 
-def _slice(n: int, layout: NodeLayout) -> tuple[int, int]:
+def node_slice(n: int, layout: NodeLayout) -> tuple[int, int]:
     """Entries [lo, hi) this local rank votes; c = ceil(n / L) each (the last ones may be short)."""
     c = -(-n // layout.ranks_per_node)
     lo = min(n, layout.local_rank * c)
@@ -58,7 +62,7 @@ def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) 
     local rank's slice all-reduced on its rail, slices gathered in the node)."""
     n, N = flat.numel(), layout.nodes
     node_mean(flat, layout, stats)
-    lo, hi = _slice(n, layout)
+    lo, hi = node_slice(n, layout)
     piece = torch.zeros(-(-n // layout.ranks_per_node), dtype=flat.dtype, device=flat.device)
     piece[: hi - lo] = flat[lo:hi]
     if layout.rail_group is not None and N > 1:
@@ -66,6 +70,24 @@ def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) 
     gathered = gather_in_node(piece, layout, stats)
     flat.copy_(gathered.reshape(-1)[:n])
     return flat
+
+
+def merge_in_node(values: torch.Tensor, held: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> None:
+    """In place: ``values`` [n] takes, entry by entry, the value of the lowest local rank that
+    ``held`` [n] (bool) it; entries no local rank holds become 0. Two all-reduces inside the
+    node (the holder's index, then the values): for state whose pieces are spread over the
+    node's ranks, once per change of layout, not per step."""
+    if layout.node_group is None or layout.ranks_per_node == 1:
+        values.masked_fill_(~held, 0)
+        return
+    holder = torch.where(held, layout.local_rank, layout.ranks_per_node).to(torch.int32)
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=layout.node_group)
+    values.masked_fill_(holder != layout.local_rank, 0)
+    dist.all_reduce(values, group=layout.node_group)
+    if stats is not None:
+        ring = ring_bytes(holder.numel() * holder.element_size() + values.numel() * values.element_size(),
+                          layout.ranks_per_node)  # fmt: skip
+        stats.add(ring, ring, inside_node=True)
 
 
 def matrix_cost(param: torch.Tensor) -> float:
@@ -88,9 +110,11 @@ class NodeVoteWork:
     """One node-aware vote in flight, with :class:`VoteWork`'s stages (``exchange``, ``wait``).
 
     ``NodeVoteWork(...)`` averages ``tensor`` inside the node (in place), applies ``prepare``
-    (node mean -> (voter, non-finite flag); default: the mean itself) and starts this rank's
-    rail vote; :meth:`exchange` advances it; :meth:`wait` finishes it and gathers the node's
-    slices into ``out``.
+    (node mean [n] and this rank's ``slice`` of it -> (what to vote of those entries, the
+    node's non-finite flag); default: the slice of the mean itself and the whole mean's flag)
+    and starts this rank's rail vote; :meth:`exchange` advances it; :meth:`wait` finishes it
+    and gathers the node's slices into ``out``. The flag must be the whole mean's, which every
+    local rank shares, so that every rail skips (or raises on) the same tensors.
     """
 
     __slots__ = ("_layout", "_out", "_rail", "_stats", "_slice", "_done")
@@ -107,16 +131,18 @@ class NodeVoteWork:
         stats: CommStats | None = None,
         label: str = "",
         tag: int = 0,
-        prepare: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prepare: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         flat = tensor.view(-1)  # [n] a contiguous view: the mean is taken in place
         n = flat.numel()
         self._layout, self._out, self._stats, self._done = layout, out.view(-1), stats, False
         mean = node_mean(flat, layout, stats)
-        voter, bad = prepare(mean) if prepare is not None else (mean, nonfinite_flag(mean))
-        lo, hi = self._slice = _slice(n, layout)
+        lo, hi = self._slice = node_slice(n, layout)
+        voter, bad = prepare(mean, slice(lo, hi)) if prepare is not None else (mean[lo:hi], nonfinite_flag(mean))
+        if voter.numel() != hi - lo:
+            raise ValueError(f"prepare returned {voter.numel()} entries to vote for the {hi - lo} of this rank's slice")
         self._rail = VoteWork(
-            voter.view(-1)[lo:hi], layout.rail_group, config.rail, step=step,
+            voter.view(-1), layout.rail_group, config.rail, step=step,
             segments=segments if segments is not None else SignSegments.whole(n), first_entry=lo,
             out=self._out[lo:hi], stats=stats, label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
         )  # fmt: skip
