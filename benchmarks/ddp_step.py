@@ -8,7 +8,8 @@ our hooks (signSGD-MV, Signum-MV, SignMuon; ``*_node``: the node-aware vote, ful
 inside a node and one bit between nodes), all in one run, as ratios to the fp32 all-reduce
 step; and sharded models (``fsdp_*``): FSDP2 over every rank with SGD (the fp32
 reduce-scatter baseline), or FSDP2 inside each node with the vote between nodes
-(``register_fsdp_vote``). "opt MB/rank" is the optimizer state each rank holds. Bytes per rank per step come from the hooks' own statistics or the ring all-reduce
+(``register_fsdp_vote``). "state MB/rank" is the optimizer's and the hook's state each rank holds (Signum's momentum: a
+bucket's whole on the flat vote, its 1/L slice on the node-aware one). Bytes per rank per step come from the hooks' own statistics or the ring all-reduce
 formula; "bits/entry" is 8 x bytes / (parameters x 2(M-1)/M), the bandwidth-optimal
 all-reduce's cost per entry (32 for fp32, 1 for an ideal 1-bit vote). Each step draws one of
 four batches, so ReLU's dead units differ from step to step as in training.
@@ -90,9 +91,10 @@ def _fsdp(method: str, args: argparse.Namespace, device: torch.device):
     return net, opt, opt, mesh.shape[1]
 
 
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state this rank holds (its shards of sharded state)."""
+def _state_bytes(opt: torch.optim.Optimizer, hook_state) -> int:
+    """Bytes of optimizer and hook state this rank holds (its shards of sharded state)."""
     local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+    local += list(getattr(hook_state, "momentum_buffers", {}).values())
     return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v) and v.dim() > 0)
 
 
@@ -144,7 +146,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
         bits = 8 * per_step / optimal if world_size > 1 else float("nan")
         row = {"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,
-               "bits_per_entry": bits, "optimizer_state_bytes": _state_bytes(opt)}  # fmt: skip
+               "bits_per_entry": bits, "state_bytes": _state_bytes(opt, state)}  # fmt: skip
         if method in NODE_AWARE or (method in FSDP and hooked):
             nodes, per_node = opt.sharded_vote.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
             row["nodes"] = f"{nodes}x{per_node}"
@@ -168,15 +170,16 @@ def report(rows: list[dict], world_size: int) -> None:
     nodes = next((r["nodes"] for r in rows if "nodes" in r), None)
     print(f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}"
           + (f" nodes={nodes} (node-aware rows: MB/rank/step counts inside + between nodes)" if nodes else ""))
-    print(f"{'method':>19} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11} {'opt MB/rank':>12}")
+    print(f"{'method':>19} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11} {'state MB/rank':>14}")
     for r in rows:
         if "error" in r:
             print(f"{r['method']:>19}  failed: {r['error']}")
             continue
         ratio = r["step_s"] / base if base else float("nan")
+        rounds = "  rounds " + " ".join(f"{t * 1e3:.1f}" for t in r["step_s_rounds"]) if "step_s_rounds" in r else ""
         between = f"  between nodes {r['between_nodes_bytes_per_rank'] / 1e6:.2f} MB" if "nodes" in r else ""
         print(f"{r['method']:>19} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
-              f"{r['bits_per_entry']:>11.2f} {r['optimizer_state_bytes'] / 1e6:>12.2f}{between}")
+              f"{r['bits_per_entry']:>11.2f} {r['state_bytes'] / 1e6:>14.2f}{between}{rounds}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -193,21 +196,45 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for the *_node and fsdp_* methods (default: torchrun's LOCAL_WORLD_SIZE)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="run every method this many times, interleaved; each step time is the median")
     args = parse_methods(parser, argv)
     if under_torchrun():
-        rows = run_torchrun(_worker, args, args.methods)
+        rows = merge_rounds([run_torchrun(_worker, args, args.methods) for _ in range(args.rounds)])
         if os.environ["RANK"] == "0":
             report(rows, int(os.environ["WORLD_SIZE"]))
             _write_json(rows, args.json)
         return rows
-    rows = []
-    for method in args.methods:  # one process group per method: a crash costs only its own row
-        try:
-            rows += run_distributed(_worker, args.world_size, args, [method], threads=args.threads)[0]
-        except Exception as error:  # noqa: BLE001 - reported in the table
-            rows.append({"method": method, "error": str(error).strip().splitlines()[-1][:160]})
+    passes = []
+    for _ in range(args.rounds):
+        rows = []
+        for method in args.methods:  # one process group per method: a crash costs only its own row
+            try:
+                rows += run_distributed(_worker, args.world_size, args, [method], threads=args.threads)[0]
+            except Exception as error:  # noqa: BLE001 - reported in the table
+                rows.append({"method": method, "error": str(error).strip().splitlines()[-1][:160]})
+        passes.append(rows)
+    rows = merge_rounds(passes)
     report(rows, args.world_size)
     _write_json(rows, args.json)
+    return rows
+
+
+def merge_rounds(passes: list[list[dict]]) -> list[dict]:
+    """One row per method from interleaved ``passes`` (each a list of rows, methods in the same
+    order): the last pass's row with the median step time, each pass's in ``step_s_rounds``.
+    A method that failed in any pass keeps that pass's error."""
+    rows = []
+    for i, last in enumerate(passes[-1]):
+        mine = [p[i] for p in passes]
+        if any(r["method"] != last["method"] for r in mine):
+            raise ValueError("the passes list their methods in different orders")
+        failed = next((r for r in mine if "error" in r), None)
+        if failed is not None or len(passes) == 1:
+            rows.append(failed or last)
+            continue
+        times = [r["step_s"] for r in mine]
+        rows.append({**last, "step_s": statistics.median(times), "step_s_rounds": times})
     return rows
 
 

@@ -215,19 +215,18 @@ class VoteHookState:
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         voted: list[bool] | None = None,
         input_nonfinite: torch.Tensor | None = None,
-        prepare: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
         momentum: MomentumStep | None = None,
+        node_momentum: tuple[torch.Tensor, float] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """Start voting ``voter`` into ``out`` for ``bucket``; the future DDP gets back.
 
         ``finish`` maps the voted tensor to the bucket's final tensor (default: the vote);
         ``voted`` marks which of the bucket's parameters ``voter`` holds (default: all);
         ``input_nonfinite`` (0-d bool) flags a non-finite gradient behind a finite ``voter``.
-        Node-aware (``VoteConfig(hierarchical=True)``): ``voter`` is the gradient, averaged in
-        the node first, and ``prepare`` maps that node mean and the slice of it this rank votes to
-        (what to vote of those entries, the whole mean's non-finite flag).
         Flat: ``momentum`` (a :class:`MomentumStep`) makes ``voter`` a momentum buffer advanced
-        while it is packed.
+        while it is packed. Node-aware (``VoteConfig(hierarchical=True)``): ``voter`` is the
+        gradient, averaged in the node first; ``node_momentum`` (this rank's momentum of the
+        slice it votes, beta) advances with that node mean while it is packed.
         """
         self.pending.advance()
         layout = self.node_layout()
@@ -236,7 +235,7 @@ class VoteHookState:
         if layout is not None:
             work = NodeVoteWork(
                 voter, layout, self.vote_config, out=out, step=self.iter, segments=self.segments(bucket, voted),
-                stats=self.stats, label=label, tag=tag, prepare=prepare,
+                stats=self.stats, label=label, tag=tag, momentum=node_momentum,
             )  # fmt: skip
         else:
             work = majority_vote_async(

@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from .allreduce import allreduce_mean
 from .hook_state import VoteHookState
-from .momentum import advance_momentum
 from .dist import group_size_rank, nonfinite_flag
 from .vote import MomentumStep, VoteConfig, merge_in_node, node_slice
 
@@ -225,13 +224,7 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it
         if state.momentum == 0:
             return state.vote(bucket, grad, out=grad)
-        buf = state.momentum_buffer(bucket, grad)
-
-        def prepare(mean: torch.Tensor, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            bad = nonfinite_flag(mean)  # the whole node mean's: every rail skips alike
-            return buf, advance_momentum(buf, mean[part], state.momentum, nonfinite=bad)
-
-        return state.vote(bucket, grad, out=grad, prepare=prepare)
+        return state.vote(bucket, grad, out=grad, node_momentum=(state.momentum_buffer(bucket, grad), state.momentum))
     if state.momentum == 0:
         return state.vote(bucket, grad, out=grad)
     # The momentum advances while it is packed (one pass on a GPU); a NaN gradient leaves it.

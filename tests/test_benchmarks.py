@@ -162,7 +162,7 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
             "--depth", "2", "--steps", "2", "--warmup", "1", "--methods", "fsdp_signmuon"]  # fmt: skip
     report = netem.main(argv)  # (a DDP row would add DDP's initial broadcast of the parameters)
     (fsdp,) = report["rows"]
-    assert fsdp["optimizer_state_bytes"] * 2 == 4 * fsdp["params"]  # L = 2: half of one float32 momentum
+    assert fsdp["state_bytes"] * 2 == 4 * fsdp["params"]  # L = 2: half of one float32 momentum
     assert fsdp["nodes"] == "2x2" and fsdp["between_nodes_bytes_per_rank"] > 0
     for sent in report["tx_bytes_per_node"]:  # the votes, plus rendezvous, settings check and timing collectives
         assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]

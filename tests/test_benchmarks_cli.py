@@ -202,3 +202,28 @@ def test_a_torchrun_benchmark_on_gloo_ends_without_the_interpreters_teardown():
         assert done.returncode == 0, done
         outputs[make_group] = done.stdout
     assert outputs == {True: "ranks 1", False: " returned teardown\n"}
+
+
+def test_ddp_step_counts_the_hook_momentum_and_the_node_aware_rows_hold_a_slice_of_it():
+    from signmuon.benchmarks import ddp_step
+
+    rows = ddp_step.main(["--world-size", "4", "--ranks-per-node", "2", "--width", "64", "--depth", "2", "--steps", "1",
+                          "--warmup", "1", "--methods", "signum_mv", "signum_mv_node", "signsgd_mv_node"])  # fmt: skip
+    flat, node, no_momentum = (next(r for r in rows if r["method"] == m) for m in ("signum_mv", "signum_mv_node", "signsgd_mv_node"))
+    assert flat["state_bytes"] == 4 * flat["params"]  # one float32 momentum, the whole model
+    assert 2 * node["state_bytes"] <= flat["state_bytes"] + 2 * 4 * 8  # L = 2: about half (slices round up)
+    assert node["state_bytes"] >= flat["state_bytes"] // 2
+    assert no_momentum["state_bytes"] == 0
+
+
+def test_ddp_step_rounds_take_each_methods_median_and_keep_a_failure():
+    from signmuon.benchmarks.ddp_step import merge_rounds
+
+    passes = [[{"method": "a", "step_s": t, "bytes_per_rank": 7}, {"method": "b", "step_s": 2 * t}] for t in (3.0, 1.0, 2.0)]
+    passes[1][1] = {"method": "b", "error": "boom"}
+    a, b = merge_rounds(passes)
+    assert a == {"method": "a", "step_s": 2.0, "bytes_per_rank": 7, "step_s_rounds": [3.0, 1.0, 2.0]}
+    assert b == {"method": "b", "error": "boom"}
+    assert merge_rounds(passes[:1]) == passes[0]
+    with pytest.raises(ValueError, match="different orders"):
+        merge_rounds([passes[0], passes[0][::-1]])

@@ -37,6 +37,7 @@ from ..dist import CommStats, NonFiniteError, flatten, gather_rows, mean_all_red
 from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
+from .encoding import MomentumStep
 from .topology import NodeLayout
 
 __all__ = ["NodeVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners", "vote_owned",
@@ -109,12 +110,13 @@ def gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | 
 class NodeVoteWork:
     """One node-aware vote in flight, with :class:`VoteWork`'s stages (``exchange``, ``wait``).
 
-    ``NodeVoteWork(...)`` averages ``tensor`` inside the node (in place), applies ``prepare``
-    (node mean [n] and this rank's ``slice`` of it -> (what to vote of those entries, the
-    node's non-finite flag); default: the slice of the mean itself and the whole mean's flag)
-    and starts this rank's rail vote; :meth:`exchange` advances it; :meth:`wait` finishes it
-    and gathers the node's slices into ``out``. The flag must be the whole mean's, which every
-    local rank shares, so that every rail skips (or raises on) the same tensors.
+    ``NodeVoteWork(...)`` averages ``tensor`` inside the node (in place) and starts this rank's
+    rail vote of its slice of the mean; :meth:`exchange` advances it; :meth:`wait` finishes it
+    and gathers the node's slices into ``out``. With ``momentum`` (this rank's momentum of its
+    slice, beta) the vote is Signum's: the slice advances with the node mean while it is packed
+    (``MomentumStep``). NaN or Inf anywhere in the mean flags the node (the whole mean's flag,
+    which every local rank shares, so every rail skips or raises on the same tensors, and no
+    slice of the momentum takes it).
     """
 
     __slots__ = ("_layout", "_out", "_rail", "_stats", "_slice", "_done")
@@ -131,20 +133,25 @@ class NodeVoteWork:
         stats: CommStats | None = None,
         label: str = "",
         tag: int = 0,
-        prepare: Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        momentum: tuple[torch.Tensor, float] | None = None,
     ) -> None:
         flat = tensor.view(-1)  # [n] a contiguous view: the mean is taken in place
         n = flat.numel()
         self._layout, self._out, self._stats, self._done = layout, out.view(-1), stats, False
         mean = node_mean(flat, layout, stats)
         lo, hi = self._slice = node_slice(n, layout)
-        voter, bad = prepare(mean, slice(lo, hi)) if prepare is not None else (mean[lo:hi], nonfinite_flag(mean))
-        if voter.numel() != hi - lo:
-            raise ValueError(f"prepare returned {voter.numel()} entries to vote for the {hi - lo} of this rank's slice")
+        bad = nonfinite_flag(mean)
+        voter, advance = mean[lo:hi], None
+        if momentum is not None:
+            buf, beta = momentum
+            if buf.numel() != hi - lo:
+                raise ValueError(f"the momentum slice has {buf.numel()} entries; this rank votes {hi - lo}")
+            voter, advance = buf.view(-1), MomentumStep(mean[lo:hi], 1.0 - beta, bad)
         self._rail = VoteWork(
-            voter.view(-1), layout.rail_group, config.rail, step=step,
+            voter, layout.rail_group, config.rail, step=step,
             segments=segments if segments is not None else SignSegments.whole(n), first_entry=lo,
             out=self._out[lo:hi], stats=stats, label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
+            momentum=advance,
         )  # fmt: skip
 
     @property
