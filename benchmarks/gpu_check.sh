@@ -63,6 +63,13 @@ for dtype, grad_dtype in ((torch.float32, torch.float32), (torch.float32, torch.
             assert torch.equal(got_m.cpu(), ref_m), ("momentum", dtype, grad_dtype, n, weight, skip)
             if ref is not None:
                 assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1]), (dtype, n, weight)
+for offset in (1, 3):  # the node-aware vote's slice of a node mean: a gradient view off its storage's alignment
+    m, g = torch.randn(4099), 3 * torch.randn(4099 + offset)
+    ref_m = m.clone()
+    ref = reference.momentum_pack(ref_m, g[offset:], 0.1, torch.tensor(False), words_for(4099) + 1)
+    got_m = m.cuda()
+    got = cuda.momentum_pack(got_m, g.cuda()[offset:], 0.1, torch.tensor(False, device="cuda"), words_for(4099) + 1)
+    assert torch.equal(got_m.cpu(), ref_m) and torch.equal(got[0].cpu(), ref[0]), ("unaligned slice", offset)
 x = torch.randn(1 << 20, device="cuda")
 assert torch.equal(majority_vote(x, config=VoteConfig()), torch.sign(x))
 from signmuon.comm_hooks.vote.zero_codes import plane_from_runs, zero_runs

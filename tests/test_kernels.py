@@ -65,10 +65,12 @@ MOMENTUM_CASES = [  # (buffer dtype, gradient dtype): the hooks keep fp32 moment
 ]  # fmt: skip
 
 
-def _momentum_pack_matches(kernels, dtype, grad_dtype, n: int, weight: float, skip: bool) -> bool:
-    """``kernels.momentum_pack`` against the reference (torch's ``lerp_``, then the reference pack)."""
+def _momentum_pack_matches(kernels, dtype, grad_dtype, n: int, weight: float, skip: bool, offset: int = 0) -> bool:
+    """``kernels.momentum_pack`` against the reference (torch's ``lerp_``, then the reference pack);
+    ``offset``: the gradient is a view starting that many entries into its storage (the
+    node-aware vote's slice of a node mean)."""
     buf = _input(n, dtype, seed=n)  # zeros, -0.0, and past 10 entries NaN, Inf and a subnormal
-    grad = torch.randn(n, generator=torch.Generator().manual_seed(n + 1)).to(grad_dtype) * 3
+    grad = (torch.randn(n + offset, generator=torch.Generator().manual_seed(n + 1)).to(grad_dtype) * 3)[offset:]
     grad[::5] = 0.0
     words = words_for(n) + 1
     expected_buf = buf.clone()
@@ -86,6 +88,7 @@ def test_momentum_pack_matches_reference(family, dtype, grad_dtype):
         for weight in (0.1, 0.5, 0.9):
             for skip in (False, True):
                 assert _momentum_pack_matches(FAMILIES[family], dtype, grad_dtype, n, weight, skip), (n, weight, skip)
+    assert _momentum_pack_matches(FAMILIES[family], dtype, grad_dtype, 1000, 0.1, False, offset=3), "an unaligned slice"
     buf = torch.ones(70, dtype=dtype)
     FAMILIES[family].momentum_pack(buf, torch.full((70,), float("nan"), dtype=grad_dtype), 0.1, torch.tensor(True), 2)
     assert torch.equal(buf, torch.ones(70, dtype=dtype)), "a skipped step leaves the momentum as it was"

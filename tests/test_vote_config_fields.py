@@ -139,3 +139,20 @@ def test_the_signum_hook_on_the_triton_kernels_trains_the_same_bits():
     for r in run_distributed(_triton_hook_worker, 2):
         (numba_params, numba_sent), (triton_params, triton_sent) = r["numba"], r["triton"]
         assert all(torch.equal(a, b) for a, b in zip(numba_params, triton_params)) and numba_sent == triton_sent
+
+
+
+def _triton_node_worker(rank, world_size):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    return {name: _train(rank, "sign_vote_hook", VoteConfig(hierarchical=True, ranks_per_node=2, **kernels))
+            for name, kernels in (("numba", {}), ("triton", {"kernels": "triton"}))}  # fmt: skip
+
+
+def test_the_node_aware_signum_hook_on_the_triton_kernels_trains_the_same_bits():
+    # Each rank's momentum slice advances inside Triton's momentum_pack, its gradient a view
+    # into the node mean at the slice's offset (interpreted on CPU here).
+    for r in run_distributed(_triton_node_worker, 4):
+        (numba_params, numba_sent), (triton_params, triton_sent) = r["numba"], r["triton"]
+        assert all(torch.equal(a, b) for a, b in zip(numba_params, triton_params)) and numba_sent == triton_sent
