@@ -118,11 +118,12 @@ def test_state_pickles_without_process_group():
     state = SignVoteState(momentum=0.5, start_iter=3, vote=VoteConfig(tie="fast", seed=11))
     state.iter = 9
     state.unplaced[0] = torch.arange(5.0)  # momentum of the parameter with key 0
+    state.unplaced_starts[0] = 2  # entries 2..6 of it (a node-aware rank's slice)
     state.stats.add(100, 200)
     restored = pickle.loads(pickle.dumps(state))
     assert restored.process_group is None
     assert (restored.momentum, restored.vote_config.tie, restored.start_iter, restored.vote_config.seed, restored.iter) == (0.5, "fast", 3, 11, 9)
-    assert torch.equal(restored.unplaced[0], torch.arange(5.0))
+    assert torch.equal(restored.unplaced[0], torch.arange(5.0)) and restored.unplaced_starts == {0: 2}
     assert (restored.stats.bytes_sent, restored.stats.bytes_received) == (100, 200)
 
 
