@@ -411,3 +411,26 @@ def test_the_gpu_check_scripts_compile_and_their_imports_exist():
                 for alias in node.names:
                     if not hasattr(imported, alias.name):  # a submodule (kernels.cuda) loads on import
                         importlib.import_module(f"{node.module}.{alias.name}")
+
+
+def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsys):
+    # The cost model's check against emulated links, small: 2 ranks (one per core), base
+    # 10 Gbit/s, one slow rate. Each prediction is the base step plus the shaped link's wire
+    # time of the bytes the hook counted; the ring's 30 Mbit/s step is dominated by its wire.
+    from signmuon.benchmarks.plan import validate, wire_seconds
+
+    rows = validate(rates=("30mbit",), base="10gbit", width=256, steps=3,
+                    layouts=((2, 1, ("allreduce", "signsgd_mv")),))  # fmt: skip
+    ring, vote = rows
+    assert [(r["layout"], r["world_size"], r["method"], r["rate"]) for r in rows] == [
+        ("2x1", 2, "allreduce", "30mbit"), ("2x1", 2, "signsgd_mv", "30mbit")]  # fmt: skip
+    for r in rows:
+        wire = wire_seconds(r["bytes_crossing"], "30mbit") - wire_seconds(r["bytes_crossing"], "10gbit")
+        assert r["predicted_s"] == pytest.approx(r["base_s"] + wire)
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+    params = 512 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    assert ring["bytes_crossing"] == 4 * params  # a ring of 2 sends its whole gradient once
+    assert vote["bytes_crossing"] < ring["bytes_crossing"] / 10
+    assert ring["measured_s"] > 0.6 * wire_seconds(ring["bytes_crossing"], "30mbit")  # the link did shape it
+    assert vote["measured_s"] < ring["measured_s"] / 3
+    assert "points on 2 ranks within 20%" in capsys.readouterr().out
