@@ -134,11 +134,12 @@ def _plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def wire_seconds(nbytes: float, rate: str) -> float:
-    """Seconds ``nbytes`` take through one of ``netem``'s shaped links: its token bucket lets a
-    burst (10 ms of traffic, at least 32 KiB, refilled while a step computes) through at once."""
+def wire_seconds(nbytes: float, rate: str, idle_s: float = math.inf) -> float:
+    """Seconds ``nbytes`` take through one of ``netem``'s shaped links: its token bucket (10 ms
+    of traffic, at least 32 KiB) refills at the link's rate while the link is idle, ``idle_s``
+    a step (about the step's compute), and lets what it holds through at once."""
     bps = parse_rate(rate)
-    burst = max(bps / 8 / 100, 32 * 1024)
+    burst = min(max(bps / 8 / 100, 32 * 1024), bps / 8 * idle_s)
     return 8 * max(0.0, nbytes - burst) / bps
 
 
@@ -160,7 +161,7 @@ def validate(
     The model's inputs come from a run at ``base`` rate (compute, kernels and Newton–Schulz as
     measured there, and each method's bytes leaving a node per step as its statistics count
     them, zeros included); predicted(rate) = step(base) + wire(bytes, rate) − wire(bytes, base)
-    (:func:`wire_seconds`). With ``repeats``, whole passes run one after another (the rates
+    (:func:`wire_seconds`, its token bucket refilled for the base step's duration). With ``repeats``, whole passes run one after another (the rates
     interleaved) and each point is the median of its passes (:func:`median_rows`). Each world
     size is counted on its own: with more ranks than cores, the base run's compute is slowed by
     the ranks' sharing of cores, which a slow link partly undoes (ranks that wait on the link
@@ -219,7 +220,8 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
             else:  # one rank per node: all it sends leaves; a flat gloo ring on 2 x 2: one rank of a node crosses
                 crossing = reference["bytes_per_rank"]
             for rate in rates:
-                predicted = reference["step_s"] + wire_seconds(crossing, rate) - wire_seconds(crossing, base)
+                idle = reference["step_s"]  # the base step: compute, kernels and a fast link's short wire time
+                predicted = reference["step_s"] + wire_seconds(crossing, rate, idle) - wire_seconds(crossing, base, idle)
                 got = measured[rate][method]["step_s"]
                 rows.append({"layout": f"{world_size // per_node}x{per_node}", "world_size": world_size, "method": method,
                              "rate": rate, "bytes_crossing": crossing, "base_s": reference["step_s"],

@@ -425,7 +425,8 @@ def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsy
     assert [(r["layout"], r["world_size"], r["method"], r["rate"]) for r in rows] == [
         ("2x1", 2, "allreduce", "30mbit"), ("2x1", 2, "signsgd_mv", "30mbit")]  # fmt: skip
     for r in rows:
-        wire = wire_seconds(r["bytes_crossing"], "30mbit") - wire_seconds(r["bytes_crossing"], "10gbit")
+        idle = r["base_s"]
+        wire = wire_seconds(r["bytes_crossing"], "30mbit", idle) - wire_seconds(r["bytes_crossing"], "10gbit", idle)
         assert r["predicted_s"] == pytest.approx(r["base_s"] + wire)
         assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
     params = 512 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10

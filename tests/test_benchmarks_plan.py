@@ -105,3 +105,15 @@ def test_validation_passes_combine_into_medians_per_point():
         median_rows([passes[0], passes[1][::-1]])
     with pytest.raises(SystemExit):
         main(["--model", "gpt-125m", "--repeats", "3"])  # without --validate
+
+
+def test_the_shaped_links_token_bucket_refills_only_while_the_link_is_idle():
+    from signmuon.benchmarks.plan import wire_seconds
+
+    mb = 1e6
+    assert wire_seconds(3 * mb, "1gbit") == pytest.approx(8 * (3 * mb - 1.25 * mb) / 1e9)  # 10 ms of traffic held
+    assert wire_seconds(3 * mb, "1gbit", idle_s=0.004) == pytest.approx(8 * (3 * mb - 0.5 * mb) / 1e9)  # 4 ms refilled
+    assert wire_seconds(3 * mb, "1gbit", idle_s=1.0) == wire_seconds(3 * mb, "1gbit")  # never more than the bucket
+    assert wire_seconds(1e5, "30mbit") == pytest.approx(8 * (1e5 - 37_500) / 30e6)
+    assert wire_seconds(1e4, "30mbit") == 0.0  # inside the burst
+    assert wire_seconds(1e5, "10mbit") == pytest.approx(8 * (1e5 - 32 * 1024) / 10e6)  # at least 32 KiB
