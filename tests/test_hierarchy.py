@@ -182,6 +182,14 @@ def test_bad_layout_fails_on_every_rank(env, match):
         assert message is not None and match in message, message
 
 
+def _train_steps(model, opt, rank, steps):
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def _resume_worker(rank, world_size, steps, load, save):
     net = tiny_net()
     model = DDP(net, bucket_cap_mb=0.0005)
@@ -193,11 +201,7 @@ def _resume_worker(rank, world_size, steps, load, save):
         net.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         start = saved["step"]
-    for step in range(start, start + steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    _train_steps(model, opt, rank, range(start, start + steps))
     if save:
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": start + steps}, f"{save}.rank{rank}")
     return [p.detach().clone() for p in net.parameters()]
@@ -223,11 +227,7 @@ def _signum_resume_worker(rank, world_size, steps, load, save, whole_pieces):
         net.load_state_dict(saved["model"])
         state.load_state_dict(saved["whole" if whole_pieces else "hook"])
         start = saved["step"]
-    for step in range(start, start + steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    _train_steps(model, opt, rank, range(start, start + steps))
     if save:
         hook = state.state_dict()
         # The node's momentum, whole on every rank, as the hook kept it before the slices.
