@@ -190,6 +190,8 @@ class SignVoteState(VoteHookState):
                 "momentum_starts": dict(starts)}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict`; raises ValueError if it was saved on another world size,
+        holds other than float tensors or bad starts, or holds momentum another rank saved."""
         for key, value in state_dict["momentum"].items():
             if not (torch.is_tensor(value) and value.is_floating_point()):
                 kind = value.dtype if torch.is_tensor(value) else type(value).__name__
@@ -221,12 +223,10 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
         return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
-    if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it
-        if state.momentum == 0:
-            return state.vote(bucket, grad, out=grad)
-        return state.vote(bucket, grad, out=grad, node_momentum=(state.momentum_buffer(bucket, grad), state.momentum))
     if state.momentum == 0:
         return state.vote(bucket, grad, out=grad)
+    if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it
+        return state.vote(bucket, grad, out=grad, node_momentum=(state.momentum_buffer(bucket, grad), state.momentum))
     # The momentum advances while it is packed (one pass on a GPU); a NaN gradient leaves it.
     bad = nonfinite_flag(grad)
     step = MomentumStep(grad, 1.0 - state.momentum, bad)
