@@ -161,9 +161,9 @@ def validate(
     The model's inputs come from a run at ``base`` rate (compute, kernels and Newton–Schulz as
     measured there, and each method's bytes leaving a node per step as its statistics count
     them, zeros included); predicted(rate) = step(base) + wire(bytes, rate) − wire(bytes, base)
-    (:func:`wire_seconds`, its token bucket refilled for the base step's duration). With ``repeats``, whole passes run one after another (the rates
-    interleaved) and each point is the median of its passes (:func:`median_rows`). Each world
-    size is counted on its own: with more ranks than cores, the base run's compute is slowed by
+    (:func:`wire_seconds`, its token bucket refilled for the base step's duration). With
+    ``repeats``, whole passes run one after another (the rates interleaved) and each point is
+    the median of its passes (:func:`median_rows`). Each world size is counted on its own: with more ranks than cores, the base run's compute is slowed by
     the ranks' sharing of cores, which a slow link partly undoes (ranks that wait on the link
     leave the cores to the others), so the model over-predicts there."""
     rows = median_rows([_validation_pass(rates, base, width, steps, layouts) for _ in range(repeats)])
@@ -192,7 +192,7 @@ def median_rows(passes: list[list[dict]]) -> list[dict]:
             raise ValueError("the validation passes list their points in different orders")
         predicted = statistics.median(q["predicted_s"] for q in points)
         measured = statistics.median(q["measured_s"] for q in points)
-        row = {"layout": first["layout"], "world_size": first.get("world_size", 4), "method": first["method"],
+        row = {"layout": first["layout"], "world_size": first["world_size"], "method": first["method"],
                "rate": first["rate"], "predicted_s": predicted, "measured_s": measured, "ratio": predicted / measured,
                "pass_ratios": [q["predicted_s"] / q["measured_s"] for q in points]}  # fmt: skip
         for inputs in ("bytes_crossing", "base_s"):  # the model's inputs, where the passes give them

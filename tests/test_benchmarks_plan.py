@@ -93,7 +93,8 @@ def test_validation_passes_combine_into_medians_per_point():
     from signmuon.benchmarks.plan import main, median_rows
 
     def point(rate, predicted, measured):
-        return {"layout": "4x1", "method": "signsgd_mv", "rate": rate, "predicted_s": predicted, "measured_s": measured}
+        return {"layout": "4x1", "world_size": 4, "method": "signsgd_mv", "rate": rate, "predicted_s": predicted,
+                "measured_s": measured}
 
     passes = [[point("30mbit", 0.05, 0.04), point("1gbit", 0.03, 0.02)],
               [point("30mbit", 0.06, 0.05), point("1gbit", 0.03, 0.04)],
