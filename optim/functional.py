@@ -61,8 +61,9 @@ def signum_direction(
     ``beta == 0`` is signSGD: the gradient itself, no momentum kept. A gradient holding NaN or
     Inf never enters the momentum, and the direction keeps them (the look-ahead carries the
     gradient's NaN and Inf; without Nesterov the gradient itself is returned): the vote sees
-    the non-finite entries and every rank skips (or raises on) the tensor. The look-ahead reads
-    no flag on the host, so on a GPU it runs without synchronising.
+    the non-finite entries and every rank skips (or raises on) the tensor. Off the CPU neither
+    form reads the flag on the host (the plain momentum is selected against the gradient on the
+    device), so on a GPU it runs without synchronising.
     """
     if coupled_weight_decay:
         grad = grad.add(param, alpha=coupled_weight_decay)
@@ -71,7 +72,9 @@ def signum_direction(
     bad = advance_momentum(momentum, grad, beta)
     if nesterov:
         return grad.to(momentum.dtype).lerp(momentum, beta)
-    return grad if bool(bad) else momentum
+    if momentum.device.type == "cpu":
+        return grad if bool(bad) else momentum
+    return torch.where(bad, grad.to(momentum.dtype), momentum)  # a select on the device, no host read
 
 
 def orthogonalize(
