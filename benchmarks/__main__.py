@@ -9,6 +9,7 @@ Commands:
   ddp-step        DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote
   deepspeed-step  the DeepSpeed engine's step: its fp32 all-reduce against the sign vote
   ns-time         Newton–Schulz time per matrix size (what SignMuon adds to a step)
+  direction-time  SignMuon's pre-vote work per step by path (matrices, the rest) against fwd+bwd
   sweep           learning-rate sweep: methods x lr factors x seeds, the tuned factor per method
   dppf-sweep      DPPF against local SGD: a pull/push grid per averaging period, over seeds
   ns-precision    signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost
@@ -33,6 +34,7 @@ COMMANDS = {
     "ddp-step": "ddp_step",
     "deepspeed-step": "deepspeed_step",
     "ns-time": "ns_time",
+    "direction-time": "direction_time",
     "ns-precision": "ns_precision",
     "sweep": "sweep",
     "dppf-sweep": "dppf_sweep",

@@ -4,7 +4,8 @@
 # momentum step and pack too), kernel throughput vs memcpy (Triton and the torch fallback;
 # pack/unpack GB/s against HBM; Signum's fused pass and its two-pass form against pack), a vote through the
 # collective on CUDA, Newton–Schulz: signs flipped against float64 and time per call in float32
-# (SignMuon's default) and bfloat16, per size and momentum rank, and single-GPU charlm
+# (SignMuon's default) and bfloat16, per size and momentum rank; SignMuon's pre-vote work by
+# path (what a fused momentum step for the non-matrix rest could save); single-GPU charlm
 # throughput (step time) of SignMuon against AdamW, small and medium (the 14M GPT: how long a
 # step's compute takes on a GPU, against the 0.69 s its fp32 all-reduce needs at 1 Gbit/s on 4
 # ranks, the ratio the CPU time-to-target runs cannot show); and the FSDP2 vote on CUDA
@@ -95,6 +96,13 @@ PY
   timeout 150 "$python" -m signmuon.benchmarks.ns_precision --device cuda --sizes 256 1024 4096 --ranks 8 32 0 \
     --precisions float32 bfloat16 --seeds 2 --repeats 5
   timeout 90 "$python" -m signmuon.benchmarks.ns_time --device cuda --dtype float32 --sizes 1024 4096 8192
+  echo '```'
+  echo
+  echo "## SignMuon's pre-vote work by path on CUDA: the non-matrix rest's launches against fwd+bwd"
+  echo '```'
+  for size in small medium; do
+    timeout 60 "$python" -m signmuon.benchmarks.direction_time --device cuda --task charlm --size "$size" --batch-size 32
+  done
   echo '```'
   echo
   echo "## charlm on the GPU, one rank: SignMuon vs AdamW step time and perplexity"

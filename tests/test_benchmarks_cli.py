@@ -97,7 +97,7 @@ def test_sweep_runs_each_scale_and_seed(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
-                                     "ns-precision", "sweep", "dppf-sweep", "zero-structure", "lost-node"])  # fmt: skip
+                                     "direction-time", "ns-precision", "sweep", "dppf-sweep", "zero-structure", "lost-node"])  # fmt: skip
 def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     from signmuon.benchmarks.__main__ import main
 
@@ -227,3 +227,16 @@ def test_ddp_step_rounds_take_each_methods_median_and_keep_a_failure():
     assert merge_rounds(passes[:1]) == passes[0]
     with pytest.raises(ValueError, match="different orders"):
         merge_rounds([passes[0], passes[0][::-1]])
+
+
+def test_direction_time_splits_signmuons_parameters_by_path():
+    from torch import nn
+
+    from signmuon.benchmarks.direction_time import direction_time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3, bias=False))
+    rows = direction_time(model, torch.randn(4, 6), torch.randint(0, 3, (4,)), repeats=2)
+    assert [r["path"] for r in rows] == ["forward+backward", "matrices", "the rest"]
+    assert [(r["params"], r["entries"]) for r in rows] == [(5, 30 + 5 + 5 + 5 + 15), (2, 30 + 15), (3, 5 + 5 + 5)]
+    assert all(r["seconds"] > 0 for r in rows)
