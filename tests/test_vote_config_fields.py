@@ -156,3 +156,17 @@ def test_the_node_aware_signum_hook_on_the_triton_kernels_trains_the_same_bits()
     for r in run_distributed(_triton_node_worker, 4):
         (numba_params, numba_sent), (triton_params, triton_sent) = r["numba"], r["triton"]
         assert all(torch.equal(a, b) for a, b in zip(numba_params, triton_params)) and numba_sent == triton_sent
+
+
+def test_the_docs_list_every_field_in_order():
+    # docs/design.md's settings section names all of them; the README's quick start all a user sets.
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    fields = [f.name for f in dataclasses.fields(VoteConfig)]
+    design = re.search(r"`VoteConfig\(([^)]*)\)` is\s", (root / "docs" / "design.md").read_text()).group(1)
+    readme = re.search(r"one object, `VoteConfig\(([^)]*)\)`", (root / "README.md").read_text()).group(1)
+    assert design.split(", ") == fields
+    assert readme.split(", ") == [f for f in fields if f != "fault"]  # fault: testing only
