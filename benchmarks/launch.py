@@ -2,8 +2,8 @@
 
 Local runs rendezvous through a temporary file, never a fixed port, so runs can go on side
 by side and never collide with something else on the machine. A rank that raises fails the
-run with its traceback; a rank that hangs fails it after ``timeout`` seconds. The tests run
-their distributed cases with it too.
+run with its traceback; a rank that hangs fails it after ``timeout`` seconds. (The tests ship
+their own launcher, ``tests/harness.py``.)
 """
 
 from __future__ import annotations
