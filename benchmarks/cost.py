@@ -15,14 +15,24 @@ PowerSGD (rank r)   ring all-reduce of P and Q: Σ (rows+cols)·r      as the ri
                     entries per matrix, the rest uncompressed
 ==================  ===============================================  ==============================
 
-Time = bytes leaving the node / (its NICs × link rate) + α · rounds between nodes + bytes inside /
-intra-node rate + α_in · rounds inside + the vote's kernels (pack, vote, unpack: 4n bytes at the
-measured kernel throughput) + Newton–Schulz (SignMuon: 5 iterations of (4m²k + 2m³) flops per
-m×k matrix, m ≤ k, split over the node's L ranks in the node-aware vote; PowerSGD: its two
-products per matrix) + compute (forward and backward, given or measured). No overlap of communication with compute is assumed: the model
-is an upper bound for DDP, which overlaps buckets with backward. The vote's bytes are the dense
-formula (one bit per entry); exact zeros (``zeros="abstain"`` on ReLU networks) add up to a
-bit per entry, which ``zero_bits`` accounts for.
+Communication C = bytes leaving the node / (its NICs × link rate) + α · rounds between nodes +
+bytes inside / intra-node rate + α_in · rounds inside. Step = compute (forward and backward,
+given or measured) + the part of C that backward does not hide + the vote's kernels (pack,
+vote, unpack: 4n bytes at the measured kernel throughput) + Newton–Schulz (SignMuon: 5
+iterations of (4m²k + 2m³) flops per m×k matrix, m ≤ k, split over the node's L ranks in the
+node-aware vote; PowerSGD: its two products per matrix); kernels and Newton–Schulz run on the
+device that computes, so they never hide.
+
+Overlap (``Workload.overlap``, on by default): DDP starts each bucket's collective when
+backward has produced the bucket and runs it while backward goes on. With B equal buckets
+(``bucket_bytes`` of the fp32 gradient), backward time T_b and the buckets' collectives run one
+after another, the last one ends max(C − T_b·(1 − 1/B), C/B) after backward: backward hides
+(1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. The node-aware SignMuon hook
+finishes each bucket before it returns (its node's Newton–Schulz needs the node mean), so
+nothing of its C hides; nor does a rounds method's round, which runs after the step.
+
+The vote's bytes are the dense formula (one bit per entry); exact zeros (``zeros="abstain"``
+on ReLU networks) add up to a bit per entry, which ``zero_bits`` accounts for.
 """
 
 from __future__ import annotations
@@ -30,10 +40,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Cluster", "Workload", "PLAN_METHODS", "crossover", "predict", "parse_rate"]
+__all__ = ["Cluster", "Workload", "PLAN_METHODS", "NOT_OVERLAPPED", "crossover", "predict", "parse_rate"]
 
 PLAN_METHODS = ("allreduce", "bf16_allreduce", "allreduce_node", "signsgd_mv", "signsgd_mv_node", "signmuon",
                 "signmuon_node", "powersgd_r4", "diloco_node", "diloco_vote_node")  # fmt: skip
+NOT_OVERLAPPED = ("signmuon_node",)
+"""Methods whose hook finishes each bucket before it returns, so backward hides none of their communication."""
 
 
 def parse_rate(text: str) -> float:
@@ -104,8 +116,32 @@ class Workload:
     round_bits: float = 1.0
     """Bits per entry of a one-bit round (``diloco_vote_node``) between nodes: 1 for the signs
     alone, more with block scales (``OuterStep.scale_block``, ``scale_bits``) or exact ties."""
+    overlap: bool = True
+    """Whether backward hides communication as DDP overlaps them (see the module's docstring);
+    False: communication after compute, the upper bound."""
+    backward_share: float = 2 / 3
+    """The part of ``compute_s`` that is backward (about twice the forward's flops)."""
+    bucket_bytes: float = 25 * 2**20
+    """DDP's bucket size over the fp32 gradient (``bucket_cap_mb=25``): it sets the number of buckets."""
     extra: dict = field(default_factory=dict)
     """Free-form notes carried to the report."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.backward_share <= 1.0:
+            raise ValueError(f"backward_share={self.backward_share} must lie in [0, 1]")
+        if not self.bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} must be > 0")
+
+    @property
+    def buckets(self) -> int:
+        """B, DDP's buckets of the fp32 gradient."""
+        return max(1, math.ceil(4 * self.params / self.bucket_bytes))
+
+    def hidden_seconds(self, comm_s: float) -> float:
+        """How much of ``comm_s`` of bucketed collectives backward hides: (1 − 1/B)·min(T_b, C)."""
+        if not self.overlap:
+            return 0.0
+        return (1 - 1 / self.buckets) * min(self.backward_share * self.compute_s, comm_s)
 
 
 def _ring(nbytes: float, ranks: int) -> float:
@@ -131,6 +167,7 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
     N, L, M, n = cluster.nodes, cluster.ranks_per_node, cluster.world_size, workload.params
     bits = 1.0 + workload.zero_bits
     between = inside = rounds = rounds_in = extra_s = 0.0
+    after = (0.0, 0.0, 0.0, 0.0)  # a rounds method's round: (between, inside, rounds, rounds_in), never hidden
     if method in ("allreduce", "bf16_allreduce", "powersgd_r4"):
         entries = _powersgd_entries(workload, 4) if method == "powersgd_r4" else n
         if method == "powersgd_r4":  # P = G Q and Q = Gᵀ P per matrix, and the error feedback
@@ -160,17 +197,25 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
     elif method in ("diloco_node", "diloco_vote_node"):  # the node's all-reduce every step, a round every H
         H = workload.period
         per_round = n * workload.round_bits / 8 if method == "diloco_vote_node" else 4 * n  # the node's rails, in all
-        between, rounds = 2 * (N - 1) / N * per_round / H, 2 * (N - 1) / H
-        inside = _ring(4 * n, L) + (L - 1) / L * 4 * n / H  # the gradient, and the round's gather of slices
-        rounds_in = 2 * (L - 1) + (L - 1) / H
+        inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)  # the node's gradient all-reduce, every step
+        after = (2 * (N - 1) / N * per_round / H, (L - 1) / L * 4 * n / H, 2 * (N - 1) / H, (L - 1) / H)
     else:
         raise ValueError(f"plan has no model of {method!r}; it models {PLAN_METHODS}")
-    comm_s = (
+    bucketed_s = _link_seconds(cluster, between, inside, rounds, rounds_in)
+    after_s = _link_seconds(cluster, *after)
+    hidden = 0.0 if method in NOT_OVERLAPPED else workload.hidden_seconds(bucketed_s)
+    exposed = bucketed_s - hidden + after_s
+    return {"between_bytes_per_node": between + after[0], "inside_bytes_per_rank": inside + after[1],
+            "comm_s": bucketed_s + after_s, "exposed_comm_s": exposed, "extra_s": extra_s,
+            "step_s": workload.compute_s + exposed + extra_s}  # fmt: skip
+
+
+def _link_seconds(cluster: Cluster, between: float, inside: float, rounds: float, rounds_in: float) -> float:
+    """The α–β time of bytes leaving a node, bytes inside it per rank, and their message rounds."""
+    return (
         8 * between / cluster.node_bps + rounds * cluster.latency_s
         + 8 * inside / cluster.intra_bps + rounds_in * cluster.intra_latency_s
     )  # fmt: skip
-    return {"between_bytes_per_node": between, "inside_bytes_per_rank": inside, "comm_s": comm_s,
-            "extra_s": extra_s, "step_s": workload.compute_s + comm_s + extra_s}  # fmt: skip
 
 
 def crossover(method: str, cluster: Cluster, workload: Workload, baseline: str = "allreduce") -> float | None:

@@ -41,8 +41,8 @@ PROJECTION = {
 ASSUMPTIONS = (
     "projection, not a measurement: 8 GPUs per node on NVLink (450 GB/s per GPU, 2 us), one NIC per GPU "
     "(10 us per round between nodes), 8192 tokens per GPU per step, forward+backward at 400 TFLOP/s "
-    "(6·n·tokens flops), the vote's kernels at 1 TB/s of fp32 input, Newton–Schulz at 200 TFLOP/s, no "
-    "overlap of communication with backward, one bit per entry (dense); SignMuon's Newton–Schulz split over "
+    "(6·n·tokens flops), the vote's kernels at 1 TB/s of fp32 input, Newton–Schulz at 200 TFLOP/s, {overlap}, "
+    "one bit per entry (dense); SignMuon's Newton–Schulz split over "
     "each node's 8 GPUs; one-bit rounds: the node's gradient all-reduce every step and a round every 32 steps, "
     "its cost spread over them (the time per step only: how many more steps rounds need is not modelled)"
 )
@@ -69,40 +69,55 @@ def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dic
 def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
     print(f"{workload.params / 1e6:.1f}M parameters, {cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s), "
           f"link {cluster.link_bps / 1e9:g} Gbit/s per NIC, compute {workload.compute_s * 1e3:.1f} ms/step")  # fmt: skip
-    print(f"{'method':>16} {'MB out/node':>12} {'MB in/rank':>11} {'comm ms':>9} {'step ms':>9} {'speed-up':>9} "
-          f"{'pays below':>12}")  # fmt: skip
+    print(f"{'method':>16} {'MB out/node':>12} {'MB in/rank':>11} {'comm ms':>9} {'exposed':>9} {'step ms':>9} "
+          f"{'speed-up':>9} {'pays below':>12}")  # fmt: skip
     for r in rows:
         cross = r["crossover_bps"]
         label = "-" if r["method"] == "allreduce" else "always" if cross == math.inf else "never" if cross is None \
             else f"{cross / 1e9:.3g} Gbit/s"  # fmt: skip
         print(f"{r['method']:>16} {r['between_bytes_per_node'] / 1e6:>12.2f} {r['inside_bytes_per_rank'] / 1e6:>11.2f} "
-              f"{r['comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} {r['speedup']:>8.2f}x {label:>12}")  # fmt: skip
+              f"{r['comm_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} "
+              f"{r['speedup']:>8.2f}x {label:>12}")  # fmt: skip
+    if workload.overlap:
+        print(f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
+              f"{workload.buckets} bucket(s) of {workload.bucket_bytes / 2**20:g} MB (not signmuon_node's, nor a "
+              "round's); --no-overlap: all of it, the upper bound")  # fmt: skip
     if any(r["method"].startswith("diloco") for r in rows):
         print(f"diloco_*: the node's all-reduce every step and a round every {workload.period} steps (--period), its "
               f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
               "per step only: how many more steps rounds need to reach a loss is not modelled (measure it: train)")  # fmt: skip
 
 
-def projection(plot: str | None = None) -> list[dict]:
+OVERLAP_WORDS = {
+    True: "backward (2/3 of the compute) hiding DDP's bucketed communication of 25 MB buckets (not the node-aware "
+          "SignMuon hook's, which finishes each bucket before it returns, nor a round's)",
+    False: "no overlap of communication with backward (an upper bound)",
+}
+
+
+def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
     """The projection table: every model, node count and link of :data:`PROJECTION`."""
     rows = []
     for name in PROJECTION["models"]:
         params, matrices = model_shapes(name)
         compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
-        workload = Workload(params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12)
+        workload = Workload(params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12,
+                            overlap=overlap)  # fmt: skip
         for gbit in PROJECTION["links_gbit"]:
             for nodes in PROJECTION["nodes"]:
                 cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
-                base = predict("allreduce", cluster, workload)["step_s"]
+                # The baseline a user has today: the faster fp32 schedule (a flat ring's 2(M-1) rounds
+                # cost more than its bytes on hundreds of nodes).
+                base = min(predict(m, cluster, workload)["step_s"] for m in ("allreduce", "allreduce_node"))
                 for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"):
                     step = predict(method, cluster, workload)["step_s"]
                     rows.append({"model": name, "link_gbit": gbit, "nodes": nodes, "method": method,
-                                 "step_s": step, "speedup": base / step, "allreduce_step_s": base})  # fmt: skip
-    print(ASSUMPTIONS)
+                                 "step_s": step, "speedup": base / step, "baseline_step_s": base})  # fmt: skip
+    print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
     for method, label in (("signsgd_mv_node", "signSGD-MV / Signum-MV"), ("signmuon_node", "SignMuon"),
                           ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only")):  # fmt: skip
         print(f"{'model':>9} {'link':>9} " + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
-              + f"   (nodes; {label}, node-aware, step speed-up over the fp32 ring all-reduce)")  # fmt: skip
+              + f"   (nodes; {label}, node-aware, step speed-up over the faster fp32 all-reduce, ring or two-level)")  # fmt: skip
         for name in PROJECTION["models"]:
             for gbit in PROJECTION["links_gbit"]:
                 cells = [r["speedup"] for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
@@ -120,16 +135,19 @@ def _plot(rows: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(PROJECTION["links_gbit"]), figsize=(5 * len(PROJECTION["links_gbit"]), 4), sharey=True)
     for ax, gbit in zip(axes, PROJECTION["links_gbit"]):
-        for name in PROJECTION["models"]:
-            cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == "signmuon_node"]
-            ax.plot([r["nodes"] for r in cells], [r["speedup"] for r in cells], marker="o", label=name)
+        for color, name in enumerate(PROJECTION["models"]):
+            for method, style, label in (("signsgd_mv_node", "-", "Signum-MV"), ("signmuon_node", "--", "SignMuon")):
+                cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
+                ax.plot([r["nodes"] for r in cells], [r["speedup"] for r in cells], style, marker="o",
+                        color=f"C{color}", label=f"{name}, {label}")  # fmt: skip
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{gbit} Gbit/s per GPU between nodes")
         ax.set_xlabel("nodes of 8 GPUs")
-    axes[0].set_ylabel("step speed-up over fp32 all-reduce")
-    axes[0].legend()
-    fig.suptitle("SignMuon (node-aware vote), projected from an α–β model (assumptions in the README)")
+    axes[0].set_ylabel("step speed-up over the faster fp32 all-reduce")
+    axes[0].legend(fontsize="small", ncol=2)
+    fig.suptitle("Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model "
+                 "(assumptions in the README)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -251,6 +269,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--round-bits", type=float, default=1.0,
                         help="bits per entry of a one-bit round between nodes (diloco_vote_node; 1.17 with 8-bit "
                              "scales per 64 entries on 2 nodes)")  # fmt: skip
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="no communication hidden behind backward (the upper bound; default: DDP's overlap)")
+    parser.add_argument("--backward-share", type=float, default=2 / 3, help="the part of the compute that is backward")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (the number of buckets)")
     parser.add_argument("--methods", nargs="+", default=list(PLAN_METHODS), choices=PLAN_METHODS)
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
@@ -265,8 +287,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if (args.projection or args.validate) and (args.period != 32 or args.round_bits != 1.0):
         parser.error("--period and --round-bits describe a cluster you plan (--model or --params); the projection "
                      "and the validation use their own settings")  # fmt: skip
+    if args.validate and (args.no_overlap or args.backward_share != 2 / 3 or args.bucket_mb != 25.0):
+        parser.error("--no-overlap, --backward-share and --bucket-mb describe a model; the validation predicts "
+                     "from a measured step")  # fmt: skip
+    if args.projection and (args.backward_share != 2 / 3 or args.bucket_mb != 25.0):
+        parser.error("the projection uses its own backward share and buckets (--no-overlap applies)")
+    if not 0 <= args.backward_share <= 1:
+        parser.error(f"--backward-share {args.backward_share} must lie in [0, 1]")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+        parser.error(f"--bucket-mb {args.bucket_mb} must be a positive size")
     if args.projection:
-        rows = projection(args.plot)
+        rows = projection(args.plot, overlap=not args.no_overlap)
     elif args.validate:
         rows = validate(repeats=args.repeats, layouts=VALIDATION_LAYOUTS + (UNCROWDED_LAYOUTS if args.uncrowded else ()))
     else:
@@ -290,7 +321,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except ValueError as error:
             parser.error(str(error))
         workload = Workload(params, compute, matrices, kernel, args.ns_tflops * 1e12, args.zero_bits, args.period,
-                            args.round_bits)  # fmt: skip
+                            args.round_bits, overlap=not args.no_overlap, backward_share=args.backward_share,
+                            bucket_bytes=args.bucket_mb * 2**20)  # fmt: skip
         rows = _table(cluster, workload, args.methods)
         _print(rows, cluster, workload)
     if args.json:

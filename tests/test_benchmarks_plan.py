@@ -58,6 +58,10 @@ def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
     assert 1.25e9 < params < 1.4e9 and len(matrices) == 4 * 24
     projection = plan.main(["--projection", "--plot", str(tmp_path / "p.png")])
     assert len(projection) == 4 * 3 * 5 * 4 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    # The baseline is the faster fp32 schedule: the two-level one wherever it wins, never slower than itself.
+    two_level = [r for r in projection if r["method"] == "allreduce_node"]
+    assert all(r["speedup"] <= 1 + 1e-12 for r in two_level) and any(r["speedup"] == 1.0 for r in two_level)
+    assert all(r["step_s"] * r["speedup"] == pytest.approx(r["baseline_step_s"]) for r in projection)
     assert "projection, not a measurement" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         plan.main(["--nodes", "2"])  # neither --model nor --params
@@ -118,3 +122,71 @@ def test_the_shaped_links_token_bucket_refills_only_while_the_link_is_idle():
     assert wire_seconds(1e5, "30mbit") == pytest.approx(8 * (1e5 - 37_500) / 30e6)
     assert wire_seconds(1e4, "30mbit") == 0.0  # inside the burst
     assert wire_seconds(1e5, "10mbit") == pytest.approx(8 * (1e5 - 32 * 1024) / 10e6)  # at least 32 KiB
+
+
+def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
+    # B buckets, backward T_b, collectives C one after another: the last ends
+    # max(C - T_b(1 - 1/B), C/B) after backward. Hand-computed for both regimes.
+    from signmuon.benchmarks.cost import Cluster, Workload, predict
+
+    n = 10 * (25 * 2**20) // 4  # ten buckets of 25 MB of fp32 gradient
+    cluster = Cluster(4, 1, 1e9)
+    for compute in (0.3, 3.0):  # backward 0.2 s (the link is slower) and 2 s (backward hides all but a bucket)
+        overlapped, upper = Workload(n, compute), Workload(n, compute, overlap=False)
+        assert overlapped.buckets == 10
+        for method in ("allreduce", "signsgd_mv", "signsgd_mv_node", "powersgd_r4"):
+            full, got = predict(method, cluster, upper), predict(method, cluster, overlapped)
+            C, T_b = full["comm_s"], 2 / 3 * compute
+            assert got["comm_s"] == full["comm_s"] and full["exposed_comm_s"] == full["comm_s"]
+            assert got["exposed_comm_s"] == pytest.approx(max(C - T_b * 0.9, C / 10))
+            assert got["step_s"] == pytest.approx(compute + got["exposed_comm_s"] + got["extra_s"])
+            assert full["step_s"] == pytest.approx(compute + C + full["extra_s"])
+    ring = predict("allreduce", cluster, Workload(n, 0.3))
+    assert ring["exposed_comm_s"] == pytest.approx(ring["comm_s"] - 0.2 * 0.9)  # 3.1 s of ring: longer than backward
+    one_bucket = Workload(1000, 1.0)
+    assert one_bucket.buckets == 1 and predict("allreduce", cluster, one_bucket)["exposed_comm_s"] == \
+        predict("allreduce", cluster, one_bucket)["comm_s"]  # nothing to overlap with  # fmt: skip
+
+
+def test_what_backward_cannot_hide_adds_whole():
+    from signmuon.benchmarks.cost import Cluster, Workload, predict
+
+    n = 10 * (25 * 2**20) // 4
+    cluster, work = Cluster(2, 4, 1e9), Workload(n, 3.0, ((4096, 4096),) * 8)
+    # The node-aware SignMuon hook finishes each bucket before it returns: no overlap.
+    node = predict("signmuon_node", cluster, work)
+    assert node["exposed_comm_s"] == node["comm_s"] > 0
+    # A round runs after the step: only the node's every-step all-reduce hides behind backward.
+    for method in ("diloco_node", "diloco_vote_node"):
+        got = predict(method, cluster, Workload(n, 3.0, period=4))
+        every_step = predict(method, cluster, Workload(n, 3.0, period=10**9))  # the round spread to nothing
+        round_s = got["comm_s"] - every_step["comm_s"]
+        assert round_s > 0 and got["exposed_comm_s"] == pytest.approx(every_step["exposed_comm_s"] + round_s)
+    with pytest.raises(ValueError, match="backward_share"):
+        Workload(n, 1.0, backward_share=1.5)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        Workload(n, 1.0, bucket_bytes=0)
+
+
+def test_plan_cli_overlap_flags(capsys):
+    from signmuon.benchmarks import plan
+
+    common = ["--model", "gpt-1.3b", "--nodes", "8", "--ranks-per-node", "8", "--link", "100gbit"]
+    overlapped = {r["method"]: r for r in plan.main(common)}
+    assert "exposed: the communication backward (0.67 of the compute) does not hide" in capsys.readouterr().out
+    upper = {r["method"]: r for r in plan.main(common + ["--no-overlap"])}
+    assert "exposed:" not in capsys.readouterr().out
+    for method, row in overlapped.items():
+        assert row["step_s"] <= upper[method]["step_s"]
+    assert overlapped["allreduce"]["step_s"] < upper["allreduce"]["step_s"]
+    # The ring hides behind backward, so the vote's speed-up shrinks (it cannot hide the kernels).
+    assert overlapped["signsgd_mv_node"]["speedup"] < upper["signsgd_mv_node"]["speedup"]
+    fewer = {r["method"]: r for r in plan.main(common + ["--bucket-mb", "1000", "--backward-share", "0.5"])}
+    assert fewer["allreduce"]["exposed_comm_s"] > overlapped["allreduce"]["exposed_comm_s"]
+    capsys.readouterr()
+    for bad in (["--backward-share", "1.5"], ["--bucket-mb", "0"], ["--bucket-mb", "nan"]):
+        with pytest.raises(SystemExit):
+            plan.main(common + bad)
+    for bad in (["--validate", "--no-overlap"], ["--projection", "--bucket-mb", "10"]):
+        with pytest.raises(SystemExit):
+            plan.main(bad)
