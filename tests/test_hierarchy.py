@@ -156,6 +156,48 @@ def test_between_node_bytes_follow_the_formula(world_size, per_node):
     assert torch.equal(results[0][2][~ties], expected[~ties])
 
 
+def _staged_worker(rank, world_size):
+    # Two node-aware votes in flight, as a DDP hook keeps them: each stage call moves a vote one
+    # step on, and the node all-reduce is issued asynchronously, before the vote's first stage.
+    import torch.distributed as dist
+
+    from signmuon.comm_hooks import node_layout
+    from signmuon.comm_hooks.vote import NodeVoteWork
+
+    layout = node_layout(None, 2)
+    issued = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        issued.append(kwargs.get("async_op", False))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        xs = [torch.randn(1000, generator=gen) for _ in range(2)]
+        works = [NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000), tag=i)
+                 for i, x in enumerate(xs)]  # fmt: skip
+        stages = []
+        for work in works:
+            work.exchange()
+            stages.append(work.exchanged)  # the first stage only started the rail vote
+            work.exchange()
+            stages.append(work.exchanged)
+        voted = [w.wait() for w in works]
+        alone = [NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000)).wait() for x in xs]
+    finally:
+        dist.all_reduce = all_reduce
+    return issued[:2], stages, voted, alone
+
+
+def test_the_node_aware_vote_starts_its_node_all_reduce_asynchronously_and_takes_a_stage_per_call():
+    for issued, stages, voted, alone in run_distributed(_staged_worker, 4):
+        assert issued == [True, True], "the node mean blocked the hook"
+        assert stages == [False, True, False, True]
+        assert all(torch.equal(v, a) for v, a in zip(voted, alone))
+
+
 def _layout_worker(rank, world_size, env):
     os.environ.update({k: v[rank] for k, v in env.items()})
     from signmuon.comm_hooks import node_layout

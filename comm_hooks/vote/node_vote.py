@@ -53,9 +53,17 @@ def node_slice(n: int, layout: NodeLayout) -> tuple[int, int]:
 
 def node_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
     """In place: ``flat`` becomes the mean over this rank's node (full precision)."""
+    work = _start_node_mean(flat, layout, stats)
+    if work is not None:
+        work.wait()
+    return flat
+
+
+def _start_node_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None):
+    """Start :func:`node_mean`; its work handle (None where there is nothing to wait for)."""
     if layout.node_group is None or layout.ranks_per_node == 1:
-        return flat
-    return mean_all_reduce(flat, layout.node_group, stats, inside_node=True)
+        return None
+    return mean_all_reduce(flat, layout.node_group, stats, inside_node=True, async_op=True)
 
 
 def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
@@ -108,18 +116,20 @@ def gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | 
 
 
 class NodeVoteWork:
-    """One node-aware vote in flight, with :class:`VoteWork`'s stages (``exchange``, ``wait``).
+    """One node-aware vote in flight, advanced in stages like :class:`VoteWork`.
 
-    ``NodeVoteWork(...)`` averages ``tensor`` inside the node (in place) and starts this rank's
-    rail vote of its slice of the mean; :meth:`exchange` advances it; :meth:`wait` finishes it
-    and gathers the node's slices into ``out``. With ``momentum`` (this rank's momentum of its
-    slice, beta) the vote is Signum's: the slice advances with the node mean while it is packed
-    (``MomentumStep``). NaN or Inf anywhere in the mean flags the node (the whole mean's flag,
-    which every local rank shares, so every rail skips or raises on the same tensors, and no
-    slice of the momentum takes it).
+    ``NodeVoteWork(...)`` starts averaging ``tensor`` inside the node (in place, asynchronously);
+    each :meth:`exchange` moves it one stage on: the first waits for the node mean and starts
+    this rank's rail vote of its slice, the second advances that vote; :meth:`wait` finishes
+    whatever is left and gathers the node's slices into ``out``. So in a DDP hook the node's
+    all-reduce of one bucket runs while backward computes the next, as DDP's own does. With
+    ``momentum`` (this rank's momentum of its slice, beta) the vote is Signum's: the slice
+    advances with the node mean while it is packed (``MomentumStep``). NaN or Inf anywhere in the
+    mean flags the node (the whole mean's flag, which every local rank shares, so every rail
+    skips or raises on the same tensors, and no slice of the momentum takes it).
     """
 
-    __slots__ = ("_layout", "_out", "_rail", "_stats", "_slice", "_done")
+    __slots__ = ("_layout", "_out", "_rail", "_stats", "_slice", "_done", "_mean", "_averaging", "_start")
 
     def __init__(
         self,
@@ -138,32 +148,46 @@ class NodeVoteWork:
         flat = tensor.view(-1)  # [n] a contiguous view: the mean is taken in place
         n = flat.numel()
         self._layout, self._out, self._stats, self._done = layout, out.view(-1), stats, False
-        mean = node_mean(flat, layout, stats)
         lo, hi = self._slice = node_slice(n, layout)
+        if momentum is not None and momentum[0].numel() != hi - lo:
+            raise ValueError(f"the momentum slice has {momentum[0].numel()} entries; this rank votes {hi - lo}")
+        self._mean, self._rail = flat, None
+        self._averaging = _start_node_mean(flat, layout, stats)
+        segments = segments if segments is not None else SignSegments.whole(n)
+        self._start = dict(config=config.rail, step=step, segments=segments, label=label, tag=tag, momentum=momentum)
+
+    def _start_rail(self) -> None:
+        """Wait for the node mean; start this rank's rail vote of its slice."""
+        if self._averaging is not None:
+            self._averaging.wait()
+        mean, (lo, hi), start = self._mean, self._slice, self._start
         bad = nonfinite_flag(mean)
         voter, advance = mean[lo:hi], None
-        if momentum is not None:
-            buf, beta = momentum
-            if buf.numel() != hi - lo:
-                raise ValueError(f"the momentum slice has {buf.numel()} entries; this rank votes {hi - lo}")
+        if start["momentum"] is not None:
+            buf, beta = start["momentum"]
             voter, advance = buf.view(-1), MomentumStep(mean[lo:hi], 1.0 - beta, bad)
         self._rail = VoteWork(
-            voter, layout.rail_group, config.rail, step=step,
-            segments=segments if segments is not None else SignSegments.whole(n), first_entry=lo,
-            out=self._out[lo:hi], stats=stats, label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
-            momentum=advance,
+            voter, self._layout.rail_group, start["config"], step=start["step"], segments=start["segments"],
+            first_entry=lo, out=self._out[lo:hi], stats=self._stats, label=start["label"], tag=start["tag"],
+            input_nonfinite=bad, agree_sizes=False, momentum=advance,
         )  # fmt: skip
+        self._averaging = self._start = None
 
     @property
     def exchanged(self) -> bool:
-        return self._rail.exchanged
+        return self._rail is not None and self._rail.exchanged
 
     def exchange(self) -> None:
-        self._rail.exchange()
+        if self._rail is None:
+            self._start_rail()
+        else:
+            self._rail.exchange()
 
     def wait(self) -> torch.Tensor:
         if self._done:
             return self._out
+        if self._rail is None:
+            self._start_rail()
         voted = self._rail.wait()  # [hi - lo] this rank's slice, already in out
         n, (lo, hi) = self._out.numel(), self._slice
         c = -(-n // self._layout.ranks_per_node)
