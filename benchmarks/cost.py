@@ -27,9 +27,10 @@ Overlap (``Workload.overlap``, on by default): DDP starts each bucket's collecti
 backward has produced the bucket and runs it while backward goes on. With B equal buckets
 (``bucket_bytes`` of the fp32 gradient), backward time T_b and the buckets' collectives run one
 after another, the last one ends max(C − T_b·(1 − 1/B), C/B) after backward: backward hides
-(1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. The node-aware SignMuon hook
-finishes each bucket before it returns (its node's Newton–Schulz needs the node mean), so
-nothing of its C hides; nor does a rounds method's round, which runs after the step.
+(1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. Never hidden: the node-aware SignMuon
+hook's communication (it finishes each bucket before it returns: its node's Newton–Schulz
+needs the node mean), the node-aware vote's gather of voted slices inside the node (a blocking
+collective the compute waits for), and a rounds method's round, which runs after the step.
 
 The vote's bytes are the dense formula (one bit per entry); exact zeros (``zeros="abstain"``
 on ReLU networks) add up to a bit per entry, which ``zero_bits`` accounts for.
@@ -167,7 +168,9 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
     N, L, M, n = cluster.nodes, cluster.ranks_per_node, cluster.world_size, workload.params
     bits = 1.0 + workload.zero_bits
     between = inside = rounds = rounds_in = extra_s = 0.0
-    after = (0.0, 0.0, 0.0, 0.0)  # a rounds method's round: (between, inside, rounds, rounds_in), never hidden
+    # (between, inside, rounds, rounds_in) that backward never hides: a round after the step, or a
+    # collective the compute waits for (a blocking one in the hook)
+    blocking = (0.0, 0.0, 0.0, 0.0)
     if method in ("allreduce", "bf16_allreduce", "powersgd_r4"):
         entries = _powersgd_entries(workload, 4) if method == "powersgd_r4" else n
         if method == "powersgd_r4":  # P = G Q and Q = Gᵀ P per matrix, and the error feedback
@@ -190,7 +193,8 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
             extra_s += _ns_flops(workload.matrices) / workload.ns_flops_per_s
     elif method in ("signsgd_mv_node", "signmuon_node"):
         between, rounds = (2 * (N - 1) / N * n * bits / 8 if N > 1 else 0.0), 2 * (N - 1)
-        inside, rounds_in = _ring(4 * n, L) + (L - 1) / L * n, 2 * (L - 1) + (L - 1)
+        inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)
+        blocking = (0.0, (L - 1) / L * n, 0.0, L - 1)  # the voted slices' gather: the compute waits for it
         extra_s = 4 * n / L / workload.kernel_bytes_per_s
         if method == "signmuon_node":
             extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
@@ -198,15 +202,15 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
         H = workload.period
         per_round = n * workload.round_bits / 8 if method == "diloco_vote_node" else 4 * n  # the node's rails, in all
         inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)  # the node's gradient all-reduce, every step
-        after = (2 * (N - 1) / N * per_round / H, (L - 1) / L * 4 * n / H, 2 * (N - 1) / H, (L - 1) / H)
+        blocking = (2 * (N - 1) / N * per_round / H, (L - 1) / L * 4 * n / H, 2 * (N - 1) / H, (L - 1) / H)
     else:
         raise ValueError(f"plan has no model of {method!r}; it models {PLAN_METHODS}")
     bucketed_s = _link_seconds(cluster, between, inside, rounds, rounds_in)
-    after_s = _link_seconds(cluster, *after)
+    blocking_s = _link_seconds(cluster, *blocking)
     hidden = 0.0 if method in NOT_OVERLAPPED else workload.hidden_seconds(bucketed_s)
-    exposed = bucketed_s - hidden + after_s
-    return {"between_bytes_per_node": between + after[0], "inside_bytes_per_rank": inside + after[1],
-            "comm_s": bucketed_s + after_s, "exposed_comm_s": exposed, "extra_s": extra_s,
+    exposed = bucketed_s - hidden + blocking_s
+    return {"between_bytes_per_node": between + blocking[0], "inside_bytes_per_rank": inside + blocking[1],
+            "comm_s": bucketed_s + blocking_s, "exposed_comm_s": exposed, "extra_s": extra_s,
             "step_s": workload.compute_s + exposed + extra_s}  # fmt: skip
 
 
