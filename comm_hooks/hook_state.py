@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
 from .kernels.layout import SignSegments
-from .vote import MomentumStep, NodeLayout, NodeVoteWork, VoteConfig, VoteWork, majority_vote_async, node_layout
+from .vote import MomentumStep, NodeLayout, NodeVoteWork, OwnedVoteWork, VoteConfig, VoteWork, majority_vote_async, node_layout
 
 __all__ = ["VoteHookState", "VotePipeline", "bucket_segments", "watch_first_step"]
 
@@ -30,7 +30,7 @@ class VotePipeline:
     __slots__ = ("_pending", "_defer")
 
     def __init__(self, defer: Callable[[NonFiniteError], None]) -> None:
-        self._pending: collections.deque[tuple[VoteWork | NodeVoteWork, torch.futures.Future, Callable | None]] = (
+        self._pending: collections.deque[tuple[VoteWork | NodeVoteWork | OwnedVoteWork, torch.futures.Future, Callable | None]] = (
             collections.deque()
         )
         self._defer = defer
@@ -252,6 +252,12 @@ class VoteHookState:
                 momentum=momentum,
                 agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
             )
+        return self.track(bucket, work, finish)
+
+    def track(self, bucket: dist.GradBucket, work, finish: Callable | None = None) -> torch.futures.Future[torch.Tensor]:
+        """DDP's future for ``work``, a vote this hook call started (after ``pending.advance()``),
+        kept in the pipeline until a later call (or the last bucket's) finishes it; ``finish``
+        maps its result to the bucket's final tensor."""
         grad = bucket.buffer()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
         self.pending.add(work, fut, finish)

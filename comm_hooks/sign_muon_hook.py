@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .allreduce import allreduce_mean
 from .dist import flatten, unflatten_into
 from .hook_state import VoteHookState
-from .vote import NodeLayout, VoteConfig, vote_owned, world_mean
+from .vote import NodeLayout, OwnedVoteWork, VoteConfig, world_mean
 
 __all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
 
@@ -171,29 +171,36 @@ def _node_aware(
     """SignMuon with ``VoteConfig(hierarchical=True)``: the node's mean gradient, each matrix's
     momentum and Newton–Schulz on the one local rank that owns it, signs voted between nodes.
 
-    Done before the hook returns (no pipelining across buckets): the node's all-reduce and the
-    owners' Newton–Schulz must finish before the vote can start anyway.
+    Pipelined like the flat hook (:class:`~signmuon.comm_hooks.vote.OwnedVoteWork`): the node's
+    all-reduce starts in this call; the owners' Newton–Schulz and the rail vote run at the
+    next bucket's call, the gather inside the node at the one after, or all of it when the last
+    bucket drains the pipeline. AdamW-routed gradients are averaged here, before it returns.
     """
-    state.pending.advance(drain=True)  # flat buckets of an earlier layout, if any
+    state.pending.advance()
     opt = state.optimizer
     params, grads = bucket.parameters(), bucket.gradients()
     vote_idx = [j for j, v in enumerate(voted) if v]
-    label, tag = f"bucket {bucket.index()} (iteration {state.iter})", (state.iter << 20) | bucket.index()
-    vote_owned(
-        [grads[j] for j in vote_idx],
-        lambda i, mean: opt.local_direction(params[vote_idx[i]], mean),
-        [opt.owner(params[j], layout.ranks_per_node) for j in vote_idx],
-        [state.param_key(params[j]) for j in vote_idx],
-        layout, state.vote_config, step=state.iter, stats=state.stats, label=label, tag=tag,
-        on_nonfinite=state.defer,
-    )  # fmt: skip
+    work = None
+    if vote_idx:
+        label, tag = f"bucket {bucket.index()} (iteration {state.iter})", (state.iter << 20) | bucket.index()
+        work = OwnedVoteWork(
+            [grads[j] for j in vote_idx],
+            lambda i, mean: opt.local_direction(params[vote_idx[i]], mean),
+            [opt.owner(params[j], layout.ranks_per_node) for j in vote_idx],
+            [state.param_key(params[j]) for j in vote_idx],
+            layout, state.vote_config, step=state.iter, stats=state.stats, label=label, tag=tag,
+        )  # fmt: skip
     averaged = [grads[j] for j, v in enumerate(voted) if not v]
     if averaged:
         flat = flatten(averaged)
         world_mean(flat, layout, state.stats)  # SignMuon's AdamW path checks finiteness
         unflatten_into(flat, averaged)
-    state.maybe_increase_iter(bucket)
     grad = bucket.buffer()
+    if work is not None:
+        return state.track(bucket, work, lambda _: grad)
+    if bucket.is_last():
+        state.pending.advance(drain=True)  # earlier buckets' votes must still finish
+    state.maybe_increase_iter(bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[grad.device] if grad.is_cuda else None)
     fut.set_result(grad)
     return fut

@@ -198,6 +198,57 @@ def test_the_node_aware_vote_starts_its_node_all_reduce_asynchronously_and_takes
         assert all(torch.equal(v, a) for v, a in zip(voted, alone))
 
 
+def _owned_staged_worker(rank, world_size):
+    # SignMuon's node-aware hook keeps these in its pipeline: the node all-reduce is started
+    # asynchronously, the owners' directions wait for the first stage, and the result equals
+    # the vote run to the end at once (vote_owned).
+    import torch.distributed as dist
+
+    from signmuon.comm_hooks import node_layout
+    from signmuon.comm_hooks.vote import OwnedVoteWork, vote_owned
+
+    layout = node_layout(None, 2)
+    gen = torch.Generator().manual_seed(rank)
+    shapes = [(8, 6), (5,), (6, 6)]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    owner, keys = [0, 1, 1], [0, 1, 2]
+    calls = []
+
+    def directions(i, mean):
+        calls.append(i)
+        return mean * (i + 1)
+
+    issued, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (issued.append(k.get("async_op", False)), all_reduce(t, *a, **k))[1]
+    try:
+        staged = [g.clone() for g in grads]
+        work = OwnedVoteWork(staged, directions, owner, keys, layout, VoteConfig(hierarchical=True), step=3, stats=None,
+                             label="test", tag=7)  # fmt: skip
+        before = list(calls)
+        work.exchange()
+        after_first = (list(calls), work.exchanged)
+        work.exchange()
+        exchanged = work.exchanged
+        work.wait()
+    finally:
+        dist.all_reduce = all_reduce
+    alone = [g.clone() for g in grads]
+    vote_owned(alone, lambda i, mean: mean * (i + 1), owner, keys, layout, VoteConfig(hierarchical=True), step=3,
+               stats=None, label="test", tag=7)  # fmt: skip
+    return issued[0], before, after_first, exchanged, staged, alone
+
+
+def test_owned_votes_start_the_node_mean_asynchronously_and_compute_directions_at_the_first_stage():
+    for rank, (issued, before, (after, exchanged_early), exchanged, staged, alone) in enumerate(
+        run_distributed(_owned_staged_worker, 4)
+    ):
+        assert issued is True, "the node mean blocked the hook"
+        assert before == [] and not exchanged_early and exchanged
+        assert after == ([0] if rank % 2 == 0 else [1, 2])  # each local rank computes its own tensors' directions
+        assert all(torch.equal(a, b) for a, b in zip(staged, alone))
+        assert all(set(t.unique().tolist()) <= {-1.0, 0.0, 1.0} for t in staged)
+
+
 def _layout_worker(rank, world_size, env):
     os.environ.update({k: v[rank] for k, v in env.items()})
     from signmuon.comm_hooks import node_layout

@@ -7,6 +7,7 @@ from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULE
 from .faults import ByzantineFault
 from .node_vote import (
     NodeVoteWork,
+    OwnedVoteWork,
     gather_in_node,
     matrix_cost,
     merge_in_node,
@@ -28,6 +29,7 @@ __all__ = [
     "NONFINITE_ACTIONS",
     "NodeLayout",
     "NodeVoteWork",
+    "OwnedVoteWork",
     "TIE_MODES",
     "VoteConfig",
     "VoteWork",

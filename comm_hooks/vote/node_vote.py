@@ -19,8 +19,8 @@ Tie coins are drawn for each entry's position in the whole tensor (``first_entry
 are those of the same entries voted flat; a NaN or Inf anywhere in a node's mean flags that
 node on every rail, so every rank skips (or raises on) the same tensors.
 
-:func:`vote_owned` serves optimizers whose pre-vote step needs whole parameters (SignMuon's
-Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
+:class:`OwnedVoteWork` (:func:`vote_owned` runs it to the end) serves optimizers whose pre-vote
+step needs whole parameters (SignMuon's Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
 momentum and computes its direction, so that work is split L ways inside a node. Ownership is
 decided once over all of an optimizer's parameters (not per DDP bucket, whose layout changes
 after the first iteration and after a restart), so a parameter's momentum never changes hands.
@@ -40,7 +40,7 @@ from .config import VoteConfig
 from .encoding import MomentumStep
 from .topology import NodeLayout
 
-__all__ = ["NodeVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners", "vote_owned",
+__all__ = ["NodeVoteWork", "OwnedVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners", "vote_owned",
            "world_mean", "matrix_cost"]  # fmt: skip
 
 
@@ -211,6 +211,96 @@ def owners(costs: Sequence[float], ranks_per_node: int) -> list[int]:
     return owner
 
 
+class OwnedVoteWork:
+    """A node-aware vote of per-tensor directions that need whole tensors, in flight, advanced
+    in stages like :class:`NodeVoteWork`; results go into ``grads``.
+
+    ``grads`` are this rank's gradients (overwritten with the voted signs when it finishes).
+    ``OwnedVoteWork(...)`` starts averaging them inside the node (asynchronously, one
+    all-reduce of them all); the first :meth:`exchange` waits for the mean and lets each
+    tensor's owner (``owner[i]``, the same on every rank and every call, e.g. :func:`owners`
+    over all of an optimizer's parameters) alone call ``directions(i, node_mean_i)``
+    (advancing its momentum), then starts the vote of the owned directions, concatenated, on
+    this rank's rail; the second advances it; :meth:`wait` finishes and gathers the voted
+    tensors inside the node. A ``NonFiniteError`` is raised on every rank alike from the stage
+    that reads the headers, after which :meth:`wait` gives zeros (skipped).
+    """
+
+    __slots__ = ("_grads", "_directions", "_owner", "_keys", "_layout", "_config", "_stats", "_vote_args",
+                 "_flat", "_averaging", "_rail", "_done")  # fmt: skip
+
+    def __init__(
+        self,
+        grads: Sequence[torch.Tensor],
+        directions: Callable[[int, torch.Tensor], torch.Tensor],
+        owner: Sequence[int],
+        keys: Sequence[int],
+        layout: NodeLayout,
+        config: VoteConfig,
+        *,
+        step: int,
+        stats: CommStats | None,
+        label: str,
+        tag: int,
+    ) -> None:
+        if not grads:
+            raise ValueError("OwnedVoteWork needs at least one tensor")
+        self._grads, self._directions, self._owner, self._keys = list(grads), directions, list(owner), list(keys)
+        self._layout, self._config, self._stats = layout, config, stats
+        self._vote_args = dict(step=step, label=label, tag=tag)
+        self._flat = flatten(self._grads)  # [n] all of them, for one node all-reduce
+        self._averaging = _start_node_mean(self._flat, layout, stats)
+        self._rail, self._done = None, False
+
+    def _start_rail(self) -> None:
+        if self._averaging is not None:
+            self._averaging.wait()
+        flat, grads, layout = self._flat, self._grads, self._layout
+        bad = nonfinite_flag(flat)  # the node's, the same on each of its ranks
+        means = split_like(flat, grads)
+        mine = [i for i in range(len(grads)) if self._owner[i] == layout.local_rank]
+        voter = flatten([self._directions(i, means[i]) for i in mine]) if mine else flat[:0]
+        starts = [0]
+        for i in mine:
+            starts.append(starts[-1] + grads[i].numel())
+        segments = SignSegments(tuple(starts), tuple(self._keys[i] for i in mine)) if mine else None
+        self._rail = VoteWork(
+            voter, layout.rail_group, self._config.rail, segments=segments, out=voter, stats=self._stats,
+            input_nonfinite=bad, agree_sizes=False, **self._vote_args,
+        )  # fmt: skip
+        self._averaging = self._directions = None
+
+    @property
+    def exchanged(self) -> bool:
+        return self._rail is not None and self._rail.exchanged
+
+    def exchange(self) -> None:
+        if self._rail is None:
+            self._start_rail()
+        else:
+            self._rail.exchange()
+
+    def wait(self) -> None:
+        """Finish; ``grads`` then hold the voted signs (zeros where the vote was skipped)."""
+        if self._done:
+            return
+        if self._rail is None:
+            self._start_rail()
+        voted = self._rail.wait()
+        grads, layout = self._grads, self._layout
+        # Every local rank's owned tensors, padded to the largest share, one byte per entry.
+        shares = [sum(g.numel() for g, o in zip(grads, self._owner) if o == r) for r in range(layout.ranks_per_node)]
+        piece = torch.zeros(max(shares), dtype=torch.int8, device=self._flat.device)
+        piece[: voted.numel()] = voted
+        gathered = gather_in_node(piece, layout, self._stats)  # [L, max share]
+        offsets = [0] * layout.ranks_per_node
+        for g, r in zip(grads, self._owner):
+            g.copy_(gathered[r, offsets[r] : offsets[r] + g.numel()].view_as(g))
+            offsets[r] += g.numel()
+        self._done = True
+        self._flat = self._rail = None
+
+
 def vote_owned(
     grads: Sequence[torch.Tensor],
     directions: Callable[[int, torch.Tensor], torch.Tensor],
@@ -225,46 +315,16 @@ def vote_owned(
     tag: int,
     on_nonfinite: Callable[[NonFiniteError], None] | None = None,
 ) -> None:
-    """Node-aware vote of per-tensor directions that need whole tensors; results in ``grads``.
-
-    ``grads`` are this rank's gradients (overwritten with the voted signs). They are averaged
-    inside the node; tensor i is owned by local rank ``owner[i]`` (the same on every rank and
-    every call, e.g. :func:`owners` over all of an optimizer's parameters), which alone calls
-    ``directions(i, node_mean_i)`` (advancing its momentum) and votes the owned directions,
-    concatenated, on its rail; the voted tensors are then gathered inside the node. A
+    """:class:`OwnedVoteWork` run to the end before returning (``vote_in_step``). A
     NonFiniteError is handed to ``on_nonfinite`` (the tensors left zero) or raised, on every
-    rank alike.
-    """
+    rank alike."""
     if not grads:
         return
-    flat = flatten(grads)  # [n] all of them, for one node all-reduce
-    node_mean(flat, layout, stats)
-    bad = nonfinite_flag(flat)  # the node's, the same on each of its ranks
-    means = split_like(flat, grads)
-    mine = [i for i in range(len(grads)) if owner[i] == layout.local_rank]
-    voter = flatten([directions(i, means[i]) for i in mine]) if mine else flat[:0]
-    starts = [0]
-    for i in mine:
-        starts.append(starts[-1] + grads[i].numel())
-    segments = SignSegments(tuple(starts), tuple(keys[i] for i in mine)) if mine else None
-    work = VoteWork(
-        voter, layout.rail_group, config.rail, step=step, segments=segments, out=voter, stats=stats,
-        label=label, tag=tag, input_nonfinite=bad, agree_sizes=False,
-    )  # fmt: skip
+    work = OwnedVoteWork(grads, directions, owner, keys, layout, config, step=step, stats=stats, label=label, tag=tag)
     try:
-        voted = work.wait()
+        work.wait()
     except NonFiniteError as error:
         if on_nonfinite is None:
             raise
         on_nonfinite(error)
-        voted = work.wait()  # skipped: zeros
-    # Every local rank's owned tensors, padded to the largest share, one byte per entry.
-    shares = [sum(grads[i].numel() for i in range(len(grads)) if owner[i] == r) for r in range(layout.ranks_per_node)]
-    piece = torch.zeros(max(shares), dtype=torch.int8, device=flat.device)
-    piece[: voted.numel()] = voted
-    gathered = gather_in_node(piece, layout, stats)  # [L, max share]
-    offsets = [0] * layout.ranks_per_node
-    for i, g in enumerate(grads):
-        r = owner[i]
-        g.copy_(gathered[r, offsets[r] : offsets[r] + g.numel()].view_as(g))
-        offsets[r] += g.numel()
+        work.wait()  # skipped: zeros
