@@ -27,10 +27,10 @@ Overlap (``Workload.overlap``, on by default): DDP starts each bucket's collecti
 backward has produced the bucket and runs it while backward goes on. With B equal buckets
 (``bucket_bytes`` of the fp32 gradient), backward time T_b and the buckets' collectives run one
 after another, the last one ends max(C − T_b·(1 − 1/B), C/B) after backward: backward hides
-(1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. Never hidden: the node-aware SignMuon
-hook's communication (it finishes each bucket before it returns: its node's Newton–Schulz
-needs the node mean), the node-aware vote's gather of voted slices inside the node (a blocking
-collective the compute waits for), and a rounds method's round, which runs after the step.
+(1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. Never hidden: the node-aware
+votes' gather of voted slices inside the node (a blocking collective the compute waits for;
+their node all-reduce and rail vote are pipelined across buckets like DDP's own), and a
+rounds method's round, which runs after the step.
 
 The vote's bytes are the dense formula (one bit per entry); exact zeros (``zeros="abstain"``
 on ReLU networks) add up to a bit per entry, which ``zero_bits`` accounts for.
@@ -41,12 +41,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Cluster", "Workload", "PLAN_METHODS", "NOT_OVERLAPPED", "crossover", "predict", "parse_rate"]
+__all__ = ["Cluster", "Workload", "PLAN_METHODS", "crossover", "predict", "parse_rate"]
 
 PLAN_METHODS = ("allreduce", "bf16_allreduce", "allreduce_node", "signsgd_mv", "signsgd_mv_node", "signmuon",
                 "signmuon_node", "powersgd_r4", "diloco_node", "diloco_vote_node")  # fmt: skip
-NOT_OVERLAPPED = ("signmuon_node",)
-"""Methods whose hook finishes each bucket before it returns, so backward hides none of their communication."""
 
 
 def parse_rate(text: str) -> float:
@@ -207,7 +205,7 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
         raise ValueError(f"plan has no model of {method!r}; it models {PLAN_METHODS}")
     bucketed_s = _link_seconds(cluster, between, inside, rounds, rounds_in)
     blocking_s = _link_seconds(cluster, *blocking)
-    hidden = 0.0 if method in NOT_OVERLAPPED else workload.hidden_seconds(bucketed_s)
+    hidden = workload.hidden_seconds(bucketed_s)
     exposed = bucketed_s - hidden + blocking_s
     return {"between_bytes_per_node": between + blocking[0], "inside_bytes_per_rank": inside + blocking[1],
             "comm_s": bucketed_s + blocking_s, "exposed_comm_s": exposed, "extra_s": extra_s,

@@ -80,8 +80,8 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
               f"{r['speedup']:>8.2f}x {label:>12}")  # fmt: skip
     if workload.overlap:
         print(f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
-              f"{workload.buckets} bucket(s) of {workload.bucket_bytes / 2**20:g} MB (not signmuon_node's, nor a "
-              "round's); --no-overlap: all of it, the upper bound")  # fmt: skip
+              f"{workload.buckets} bucket(s) of {workload.bucket_bytes / 2**20:g} MB (not the node-aware votes' "
+              "gather in the node, nor a round); --no-overlap: all of it, the upper bound")  # fmt: skip
     if any(r["method"].startswith("diloco") for r in rows):
         print(f"diloco_*: the node's all-reduce every step and a round every {workload.period} steps (--period), its "
               f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
@@ -90,7 +90,7 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
 
 OVERLAP_WORDS = {
     True: "backward (2/3 of the compute) hiding DDP's bucketed communication of 25 MB buckets (not the node-aware "
-          "SignMuon hook's, which finishes each bucket before it returns, nor a round's)",
+          "votes' blocking gather in the node, nor a round)",
     False: "no overlap of communication with backward (an upper bound)",
 }
 
