@@ -9,29 +9,14 @@ all that fusing its momentum step into fewer passes or launches could save.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from signmuon.benchmarks.cli import check_device, command_parser, positive_int
+from signmuon.benchmarks.launch import median_seconds
 from signmuon.benchmarks.tasks import TASKS, loss_fn, make_task
 from signmuon.optim import SignMuon
 
 __all__ = ["direction_time", "main"]
-
-
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up: first calls allocate and, on a GPU, compile
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def direction_time(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, repeats: int = 5) -> list[dict]:
@@ -47,12 +32,12 @@ def direction_time(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.
 
     params = [p for p in model.parameters() if p.requires_grad]
     rows = [{"path": "forward+backward", "params": len(params), "entries": sum(p.numel() for p in params),
-             "seconds": _median_seconds(forward_backward, device, repeats)}]  # fmt: skip
+             "seconds": median_seconds(forward_backward, repeats, device)}]  # fmt: skip
     for whole, label in ((True, "matrices"), (False, "the rest")):
         chosen = [p for p in params if opt.votes(p) and opt.needs_whole(p) == whole]
         directions = lambda chosen=chosen: [opt.local_direction(p, p.grad) for p in chosen]  # noqa: E731
         rows.append({"path": label, "params": len(chosen), "entries": sum(p.numel() for p in chosen),
-                     "seconds": _median_seconds(directions, device, repeats) if chosen else 0.0})  # fmt: skip
+                     "seconds": median_seconds(directions, repeats, device) if chosen else 0.0})  # fmt: skip
     return rows
 
 

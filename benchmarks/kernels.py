@@ -15,33 +15,15 @@ family (numba on CPU and Triton on CUDA by default; ``torch`` for the fallback).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from signmuon.benchmarks.cli import check_device, command_parser, positive_int, size
+from signmuon.benchmarks.launch import median_seconds
 from signmuon.comm_hooks import SignSegments
 from signmuon.comm_hooks.kernels import kernels_for, warm_up
 from signmuon.comm_hooks.dist import nonfinite_flag
 from signmuon.comm_hooks.kernels.layout import momentum_then_pack, words_for
 
-
-
-def _median_time(fn, repeats: int, device: torch.device) -> float:
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5, kernels: str = "auto") -> dict[str, float]:
@@ -65,14 +47,14 @@ def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5,
         momentum_pack(momentum, x, 0.1, nonfinite_flag(x), shard * world_size)
 
     result = {
-        "memcpy": _median_time(lambda: copy_out.copy_(x), repeats, device),
-        "pack": _median_time(lambda: family.pack(x, shard * world_size), repeats, device),
-        "signum": _median_time(lambda: signum(family.momentum_pack), repeats, device),
-        "signum_two_pass": _median_time(lambda: signum(lambda *a: momentum_then_pack(family.pack, *a)), repeats, device),
-        "ties": _median_time(lambda: family.tie_words(segments, 7, 0, shard, device), repeats, device),
-        "vote": _median_time(lambda: family.vote(planes, None, None, tie), repeats, device),
-        "unpack": _median_time(lambda: family.unpack(positive, None, unpack_out), repeats, device),
-        "unpack_ternary": _median_time(lambda: family.unpack(positive, nonzero, unpack_out), repeats, device),
+        "memcpy": median_seconds(lambda: copy_out.copy_(x), repeats, device),
+        "pack": median_seconds(lambda: family.pack(x, shard * world_size), repeats, device),
+        "signum": median_seconds(lambda: signum(family.momentum_pack), repeats, device),
+        "signum_two_pass": median_seconds(lambda: signum(lambda *a: momentum_then_pack(family.pack, *a)), repeats, device),
+        "ties": median_seconds(lambda: family.tie_words(segments, 7, 0, shard, device), repeats, device),
+        "vote": median_seconds(lambda: family.vote(planes, None, None, tie), repeats, device),
+        "unpack": median_seconds(lambda: family.unpack(positive, None, unpack_out), repeats, device),
+        "unpack_ternary": median_seconds(lambda: family.unpack(positive, nonzero, unpack_out), repeats, device),
     }
     result["pipeline"] = result["pack"] + result["ties"] + result["vote"] + result["unpack"]
     return result

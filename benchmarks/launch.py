@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +44,25 @@ def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: t
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` in this process after one untimed call (the
+    first allocates and, on a GPU, compiles), CUDA work waited for."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def timed_calls(fn, iters: int, device: torch.device | None = None) -> list[float]:

@@ -6,28 +6,17 @@ the post-vote polar step), in float32 (SignMuon's default) or bfloat16.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from signmuon.benchmarks.cli import command_parser
+from signmuon.benchmarks.launch import median_seconds
 from signmuon.optim import newton_schulz
 
 
 def measure(size: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
     """Median seconds of one ``newton_schulz`` call on a [size, size] matrix."""
     x = torch.randn(size, size, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    newton_schulz(x, steps, dtype=dtype)
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        newton_schulz(x, steps, dtype=dtype)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: newton_schulz(x, steps, dtype=dtype), repeats, device)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -115,7 +115,30 @@ def gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | 
     return gather_rows(pieces, layout.node_group, stats, inside_node=True)
 
 
-class NodeVoteWork:
+class _RailStages:
+    """The stages the node-aware works share: the first :meth:`exchange` waits for the node
+    mean and starts the rail vote (the subclass's ``_start_rail``), the next advance it."""
+
+    __slots__ = ("_rail",)
+
+    @property
+    def exchanged(self) -> bool:
+        return self._rail is not None and self._rail.exchanged
+
+    def exchange(self) -> None:
+        if self._rail is None:
+            self._start_rail()
+        else:
+            self._rail.exchange()
+
+    def _rail_result(self) -> torch.Tensor:
+        """Finish the rail vote (starting it first if no stage has): this rank's voted tensor."""
+        if self._rail is None:
+            self._start_rail()
+        return self._rail.wait()
+
+
+class NodeVoteWork(_RailStages):
     """One node-aware vote in flight, advanced in stages like :class:`VoteWork`.
 
     ``NodeVoteWork(...)`` starts averaging ``tensor`` inside the node (in place, asynchronously);
@@ -129,7 +152,7 @@ class NodeVoteWork:
     skips or raises on the same tensors, and no slice of the momentum takes it).
     """
 
-    __slots__ = ("_layout", "_out", "_rail", "_stats", "_slice", "_done", "_mean", "_averaging", "_start")
+    __slots__ = ("_layout", "_out", "_stats", "_slice", "_done", "_mean", "_averaging", "_start")
 
     def __init__(
         self,
@@ -173,22 +196,10 @@ class NodeVoteWork:
         )  # fmt: skip
         self._averaging = self._start = None
 
-    @property
-    def exchanged(self) -> bool:
-        return self._rail is not None and self._rail.exchanged
-
-    def exchange(self) -> None:
-        if self._rail is None:
-            self._start_rail()
-        else:
-            self._rail.exchange()
-
     def wait(self) -> torch.Tensor:
         if self._done:
             return self._out
-        if self._rail is None:
-            self._start_rail()
-        voted = self._rail.wait()  # [hi - lo] this rank's slice, already in out
+        voted = self._rail_result()  # [hi - lo] this rank's slice, already in out
         n, (lo, hi) = self._out.numel(), self._slice
         c = -(-n // self._layout.ranks_per_node)
         piece = torch.zeros(c, dtype=torch.int8, device=voted.device)
@@ -211,7 +222,7 @@ def owners(costs: Sequence[float], ranks_per_node: int) -> list[int]:
     return owner
 
 
-class OwnedVoteWork:
+class OwnedVoteWork(_RailStages):
     """A node-aware vote of per-tensor directions that need whole tensors, in flight, advanced
     in stages like :class:`NodeVoteWork`; results go into ``grads``.
 
@@ -227,7 +238,7 @@ class OwnedVoteWork:
     """
 
     __slots__ = ("_grads", "_directions", "_owner", "_keys", "_layout", "_config", "_stats", "_vote_args",
-                 "_flat", "_averaging", "_rail", "_done")  # fmt: skip
+                 "_flat", "_averaging", "_done")  # fmt: skip
 
     def __init__(
         self,
@@ -270,23 +281,11 @@ class OwnedVoteWork:
         )  # fmt: skip
         self._averaging = self._directions = None
 
-    @property
-    def exchanged(self) -> bool:
-        return self._rail is not None and self._rail.exchanged
-
-    def exchange(self) -> None:
-        if self._rail is None:
-            self._start_rail()
-        else:
-            self._rail.exchange()
-
     def wait(self) -> None:
         """Finish; ``grads`` then hold the voted signs (zeros where the vote was skipped)."""
         if self._done:
             return
-        if self._rail is None:
-            self._start_rail()
-        voted = self._rail.wait()
+        voted = self._rail_result()
         grads, layout = self._grads, self._layout
         # Every local rank's owned tensors, padded to the largest share, one byte per entry.
         shares = [sum(g.numel() for g, o in zip(grads, self._owner) if o == r) for r in range(layout.ranks_per_node)]
