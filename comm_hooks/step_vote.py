@@ -20,7 +20,7 @@ from .dist import (
     split_like,
 )
 from .kernels.layout import SignSegments
-from .vote import NodeLayout, VoteConfig, majority_vote, node_layout, vote_owned, world_mean
+from .vote import NodeLayout, OwnedVoteWork, VoteConfig, majority_vote, node_layout, world_mean
 
 __all__ = ["StepVoter"]
 
@@ -100,10 +100,10 @@ class StepVoter:
         layout = self.layout()
         if layout is not None:
             voted = [g.clone() for g in grads]
-            vote_owned(
+            OwnedVoteWork(
                 voted, direction, [owner(i, layout.ranks_per_node) for i in range(len(grads))], list(range(len(grads))),
                 layout, self.config, step=step, stats=self.stats, label=label, tag=step,
-            )  # fmt: skip
+            ).wait()  # all its stages at once  # fmt: skip
             return voted
         directions = [direction(i, g) if here else g for i, (g, here) in enumerate(zip(grads, present))]
         flat = flatten(directions)

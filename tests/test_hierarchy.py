@@ -201,11 +201,11 @@ def test_the_node_aware_vote_starts_its_node_all_reduce_asynchronously_and_takes
 def _owned_staged_worker(rank, world_size):
     # SignMuon's node-aware hook keeps these in its pipeline: the node all-reduce is started
     # asynchronously, the owners' directions wait for the first stage, and the result equals
-    # the vote run to the end at once (vote_owned).
+    # the vote run to the end at once.
     import torch.distributed as dist
 
     from signmuon.comm_hooks import node_layout
-    from signmuon.comm_hooks.vote import OwnedVoteWork, vote_owned
+    from signmuon.comm_hooks.vote import OwnedVoteWork
 
     layout = node_layout(None, 2)
     gen = torch.Generator().manual_seed(rank)
@@ -233,8 +233,8 @@ def _owned_staged_worker(rank, world_size):
     finally:
         dist.all_reduce = all_reduce
     alone = [g.clone() for g in grads]
-    vote_owned(alone, lambda i, mean: mean * (i + 1), owner, keys, layout, VoteConfig(hierarchical=True), step=3,
-               stats=None, label="test", tag=7)  # fmt: skip
+    OwnedVoteWork(alone, lambda i, mean: mean * (i + 1), owner, keys, layout, VoteConfig(hierarchical=True), step=3,
+                  stats=None, label="test", tag=7).wait()  # fmt: skip
     return issued[0], before, after_first, exchanged, staged, alone
 
 

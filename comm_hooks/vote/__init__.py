@@ -14,7 +14,6 @@ from .node_vote import (
     node_mean,
     node_slice,
     owners,
-    vote_owned,
     world_mean,
 )
 from .scaled_sign import error_buffer_sizes, scaled_sign_allreduce
@@ -52,6 +51,5 @@ __all__ = [
     "scaled_sign_allreduce",
     "unpack_signs",
     "vote_bytes_per_rank",
-    "vote_owned",
     "world_mean",
 ]

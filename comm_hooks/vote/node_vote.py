@@ -19,8 +19,7 @@ Tie coins are drawn for each entry's position in the whole tensor (``first_entry
 are those of the same entries voted flat; a NaN or Inf anywhere in a node's mean flags that
 node on every rail, so every rank skips (or raises on) the same tensors.
 
-:class:`OwnedVoteWork` (:func:`vote_owned` runs it to the end) serves optimizers whose pre-vote
-step needs whole parameters (SignMuon's Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
+:class:`OwnedVoteWork` serves optimizers whose pre-vote step needs whole parameters (SignMuon's Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
 momentum and computes its direction, so that work is split L ways inside a node. Ownership is
 decided once over all of an optimizer's parameters (not per DDP bucket, whose layout changes
 after the first iteration and after a restart), so a parameter's momentum never changes hands.
@@ -33,14 +32,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..dist import CommStats, NonFiniteError, flatten, gather_rows, mean_all_reduce, nonfinite_flag, ring_bytes, split_like
+from ..dist import CommStats, flatten, gather_rows, mean_all_reduce, nonfinite_flag, ring_bytes, split_like
 from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
 from .encoding import MomentumStep
 from .topology import NodeLayout
 
-__all__ = ["NodeVoteWork", "OwnedVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners", "vote_owned",
+__all__ = ["NodeVoteWork", "OwnedVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners",
            "world_mean", "matrix_cost"]  # fmt: skip
 
 
@@ -298,32 +297,3 @@ class OwnedVoteWork(_RailStages):
             offsets[r] += g.numel()
         self._done = True
         self._flat = self._rail = None
-
-
-def vote_owned(
-    grads: Sequence[torch.Tensor],
-    directions: Callable[[int, torch.Tensor], torch.Tensor],
-    owner: Sequence[int],
-    keys: Sequence[int],
-    layout: NodeLayout,
-    config: VoteConfig,
-    *,
-    step: int,
-    stats: CommStats | None,
-    label: str,
-    tag: int,
-    on_nonfinite: Callable[[NonFiniteError], None] | None = None,
-) -> None:
-    """:class:`OwnedVoteWork` run to the end before returning (``vote_in_step``). A
-    NonFiniteError is handed to ``on_nonfinite`` (the tensors left zero) or raised, on every
-    rank alike."""
-    if not grads:
-        return
-    work = OwnedVoteWork(grads, directions, owner, keys, layout, config, step=step, stats=stats, label=label, tag=tag)
-    try:
-        work.wait()
-    except NonFiniteError as error:
-        if on_nonfinite is None:
-            raise
-        on_nonfinite(error)
-        work.wait()  # skipped: zeros
