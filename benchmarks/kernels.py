@@ -25,7 +25,6 @@ from signmuon.comm_hooks.dist import nonfinite_flag
 from signmuon.comm_hooks.kernels.layout import momentum_then_pack, words_for
 
 
-
 def measure(numel: int, world_size: int, device: torch.device, repeats: int = 5, kernels: str = "auto") -> dict[str, float]:
     """Seconds for memcpy and each stage on ``numel`` fp32 entries."""
     family = kernels_for(device, kernels)

@@ -271,8 +271,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "scales per 64 entries on 2 nodes)")  # fmt: skip
     parser.add_argument("--no-overlap", action="store_true",
                         help="no communication hidden behind backward (the upper bound; default: DDP's overlap)")
-    parser.add_argument("--backward-share", type=float, default=2 / 3, help="the part of the compute that is backward")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (the number of buckets)")
+    parser.add_argument("--backward-share", type=float, default=Workload.backward_share,
+                        help="the part of the compute that is backward")
+    parser.add_argument("--bucket-mb", type=float, default=Workload.bucket_bytes / 2**20,
+                        help="DDP's bucket_cap_mb (the number of buckets)")
     parser.add_argument("--methods", nargs="+", default=list(PLAN_METHODS), choices=PLAN_METHODS)
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
@@ -287,10 +289,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if (args.projection or args.validate) and (args.period != 32 or args.round_bits != 1.0):
         parser.error("--period and --round-bits describe a cluster you plan (--model or --params); the projection "
                      "and the validation use their own settings")  # fmt: skip
-    if args.validate and (args.no_overlap or args.backward_share != 2 / 3 or args.bucket_mb != 25.0):
+    overlap_inputs = (args.backward_share, args.bucket_mb) != (parser.get_default("backward_share"),
+                                                              parser.get_default("bucket_mb"))  # fmt: skip
+    if args.validate and (args.no_overlap or overlap_inputs):
         parser.error("--no-overlap, --backward-share and --bucket-mb describe a model; the validation predicts "
                      "from a measured step")  # fmt: skip
-    if args.projection and (args.backward_share != 2 / 3 or args.bucket_mb != 25.0):
+    if args.projection and overlap_inputs:
         parser.error("the projection uses its own backward share and buckets (--no-overlap applies)")
     if not 0 <= args.backward_share <= 1:
         parser.error(f"--backward-share {args.backward_share} must lie in [0, 1]")

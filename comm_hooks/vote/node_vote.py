@@ -19,7 +19,8 @@ Tie coins are drawn for each entry's position in the whole tensor (``first_entry
 are those of the same entries voted flat; a NaN or Inf anywhere in a node's mean flags that
 node on every rail, so every rank skips (or raises on) the same tensors.
 
-:class:`OwnedVoteWork` serves optimizers whose pre-vote step needs whole parameters (SignMuon's Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
+:class:`OwnedVoteWork` serves optimizers whose pre-vote step needs whole parameters (SignMuon's
+Newton–Schulz): each parameter is *owned* by one local rank, which alone advances its
 momentum and computes its direction, so that work is split L ways inside a node. Ownership is
 decided once over all of an optimizer's parameters (not per DDP bucket, whose layout changes
 after the first iteration and after a restart), so a parameter's momentum never changes hands.
@@ -120,6 +121,9 @@ class _RailStages:
 
     __slots__ = ("_rail",)
 
+    def _start_rail(self) -> None:
+        raise NotImplementedError
+
     @property
     def exchanged(self) -> bool:
         return self._rail is not None and self._rail.exchanged
@@ -151,7 +155,8 @@ class NodeVoteWork(_RailStages):
     skips or raises on the same tensors, and no slice of the momentum takes it).
     """
 
-    __slots__ = ("_layout", "_out", "_stats", "_slice", "_done", "_mean", "_averaging", "_start")
+    __slots__ = ("_layout", "_out", "_stats", "_slice", "_done", "_mean", "_averaging", "_config", "_momentum",
+                 "_vote_args")  # fmt: skip
 
     def __init__(
         self,
@@ -175,25 +180,25 @@ class NodeVoteWork(_RailStages):
             raise ValueError(f"the momentum slice has {momentum[0].numel()} entries; this rank votes {hi - lo}")
         self._mean, self._rail = flat, None
         self._averaging = _start_node_mean(flat, layout, stats)
-        segments = segments if segments is not None else SignSegments.whole(n)
-        self._start = dict(config=config.rail, step=step, segments=segments, label=label, tag=tag, momentum=momentum)
+        self._config, self._momentum = config.rail, momentum
+        self._vote_args = dict(step=step, segments=segments if segments is not None else SignSegments.whole(n),
+                               first_entry=lo, label=label, tag=tag)  # fmt: skip
 
     def _start_rail(self) -> None:
         """Wait for the node mean; start this rank's rail vote of its slice."""
         if self._averaging is not None:
             self._averaging.wait()
-        mean, (lo, hi), start = self._mean, self._slice, self._start
+        mean, (lo, hi) = self._mean, self._slice
         bad = nonfinite_flag(mean)
         voter, advance = mean[lo:hi], None
-        if start["momentum"] is not None:
-            buf, beta = start["momentum"]
+        if self._momentum is not None:
+            buf, beta = self._momentum
             voter, advance = buf.view(-1), MomentumStep(mean[lo:hi], 1.0 - beta, bad)
         self._rail = VoteWork(
-            voter, self._layout.rail_group, start["config"], step=start["step"], segments=start["segments"],
-            first_entry=lo, out=self._out[lo:hi], stats=self._stats, label=start["label"], tag=start["tag"],
-            input_nonfinite=bad, agree_sizes=False, momentum=advance,
+            voter, self._layout.rail_group, self._config, out=self._out[lo:hi], stats=self._stats,
+            input_nonfinite=bad, agree_sizes=False, momentum=advance, **self._vote_args,
         )  # fmt: skip
-        self._averaging = self._start = None
+        self._averaging = self._momentum = None
 
     def wait(self) -> torch.Tensor:
         if self._done:
