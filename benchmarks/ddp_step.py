@@ -36,7 +36,7 @@ from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
 from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
 from signmuon.benchmarks.registry import names_for
 from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, sign_vote_hook
-from signmuon.comm_hooks.dist import ring_bytes
+from signmuon.comm_hooks.dist import all_reduce, group_device, ring_bytes
 from signmuon.comm_hooks.vote import ZERO_RULES
 from signmuon.benchmarks.methods import counted_powersgd_hook, fsdp_traffic, shard_blocks
 from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
@@ -99,7 +99,7 @@ def _state_bytes(opt: torch.optim.Optimizer, hook_state) -> int:
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[str]) -> list[dict]:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = group_device(None)
     rows = []
     for method in methods:
         torch.manual_seed(0)
@@ -157,7 +157,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             between = state.stats.bytes_sent_between_nodes
             total = torch.tensor([float(between), (between - between_before) / args.steps], dtype=torch.float64, device=device)
             if node_group is not None and per_node > 1:
-                dist.all_reduce(total, group=node_group)
+                all_reduce(total, node_group)
             row["between_nodes_bytes_per_node_all_calls"] = total[0].item()
             row["between_nodes_bytes_per_node"] = total[1].item()
         rows.append(row)

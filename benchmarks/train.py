@@ -20,7 +20,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -40,6 +39,7 @@ from signmuon.benchmarks.train_report import (
 from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
 from signmuon.benchmarks.tuned import SWEEPS, borrowed_lr_scale, tuned_lr_scale
 from signmuon.benchmarks.methods import FSDP_METHODS, METHODS, STRATEGIES, Setup, TrainConfig
+from signmuon.comm_hooks.dist import group_device, mean_all_reduce
 from signmuon.comm_hooks.kernels import warm_up
 from signmuon.comm_hooks.vote import ZERO_RULES
 from signmuon.optim import inverse_mean_valley
@@ -63,6 +63,12 @@ def _network(model: nn.Module) -> nn.Module:
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) value gathered whole (a collective), else the tensor."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def mean_over_workers(value: float) -> float:
+    """The workers' mean of ``value`` (one all-reduce on the default group's device)."""
+    total = torch.tensor([value], dtype=torch.float64, device=group_device(None))
+    return mean_all_reduce(total, None).item()
 
 
 def _whole_consensus(setup, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -123,9 +129,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
                      "train_loss": loss.item(), **evaluate(model, task)}  # fmt: skip
             if setup.averager is not None:
                 # Workers differ between rounds: report the consensus and the mean worker.
-                worker_acc = torch.tensor([entry["test_acc"]], dtype=torch.float64)
-                dist.all_reduce(worker_acc)
-                entry["worker_acc"] = worker_acc.item() / world_size
+                entry["worker_acc"] = mean_over_workers(entry["test_acc"])
                 consensus = task.make_model().to(device)
                 consensus.load_state_dict(_whole_consensus(setup, model))
                 entry.update(evaluate(consensus, task))

@@ -17,35 +17,50 @@ def allreduce_mean(
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     nonfinite: str | None = "skip",
-    on_error: Callable[[NonFiniteError], None] | None = None,
+    on_error: Callable[[NonFiniteError, torch.Tensor], None] | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP's default reduction (mean all-reduce, in place) as a future; counts ring bytes.
 
     A non-finite mean (identical on every rank) is zeroed and counted in ``stats.skipped``
-    (``nonfinite="skip"``), raises ``NonFiniteError`` (``"raise"``; handed to ``on_error``
-    instead, with the mean zeroed, when given), or is left for the optimizer (``None``).
+    (``nonfinite="skip"``), raises ``NonFiniteError`` (``"raise"``; handed with its 0-d bool
+    flag to ``on_error`` instead, with the mean zeroed, when given), or is left for the
+    optimizer (``None``).
+
+    Off the CPU the callback reads nothing to the host: NCCL completes a work's future at
+    issue, so the callback runs inline, and a read there would stall backward on every bucket.
+    The mean is zeroed on the device, the skip counted from a flag read when ``stats`` is, and
+    ``on_error`` gets the flag unread (a hook state reads it once backward is done).
     """
     if stats is not None:
         stats.calls += 1
     work = mean_all_reduce(tensor, group, stats, async_op=True)
 
     def checked(mean: torch.Tensor) -> torch.Tensor:
-        if nonfinite is not None and bool(nonfinite_flag(mean)):
+        if nonfinite is None:
+            return mean
+        bad = nonfinite_flag(mean)
+        if mean.device.type == "cpu":
+            if not bool(bad):
+                return mean
             mean.zero_()
-            if stats is not None:
-                stats.skipped += 1
-            if nonfinite == "raise":
-                error = NonFiniteError("NaN or Inf in the all-reduced gradient (some rank's gradient was non-finite)")
-                if on_error is None:
+        else:
+            mean.masked_fill_(bad, 0)
+        if stats is not None:
+            stats.skip_if(bad)
+        if nonfinite == "raise":
+            error = NonFiniteError("NaN or Inf in the all-reduced gradient (some rank's gradient was non-finite)")
+            if on_error is None:
+                if bool(bad):
                     raise error
-                on_error(error)
+            else:
+                on_error(error, bad)
         return mean
 
     if work is None:  # a group of one
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(checked(tensor))
         return fut
-    return work.get_future().then(lambda f: checked(f.value()[0]))
+    return work.get_future().then(lambda _: checked(tensor))  # in place: the result is ``tensor``
 
 
 def allreduce_hook(state: CommStats, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -86,10 +86,13 @@ class VoteHookState:
     states disagree raise ``VoteMismatchError`` instead of voting different buckets together.
 
     At its first call the hook compares all ranks' settings (one digest all-gather) and
-    raises ``SettingsMismatchError`` on every rank if any differ. At the first bucket of every
+    raises ``SettingsMismatchError`` on every rank if any differ. At the first bucket of an
     iteration it compares the iteration counters and that bucket's size (one all-gather of three
     words), so a rank resumed from a stale state raises ``VoteMismatchError`` on every rank
-    before warm-up all-reduces, votes and replica checks could pair up wrongly.
+    before warm-up all-reduces, votes and replica checks could pair up wrongly: every iteration
+    until a flat vote has run (from then on each vote's headers carry the iteration and are
+    compared on every rank, at no extra read), after a load, with replica checks, and
+    node-aware (whose node all-reduce runs before any header).
 
     ``NonFiniteError`` (``nonfinite="raise"``) leaves training usable: the hook hands DDP a zero
     gradient for the bucket, so DDP finishes its backward pass normally, and the error is raised
@@ -99,8 +102,9 @@ class VoteHookState:
 
     __slots__ = (
         "process_group", "vote_config", "check_replicas_every",  # settings
-        "iter", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "raise_queued",
-        "layout",  # internal state
+        "iter", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "deferred_flags",
+        "raise_queued",
+        "layout", "headers_agree",  # internal state
         "stats", "raised", "buckets_seen",  # statistics
     )  # fmt: skip
 
@@ -122,8 +126,12 @@ class VoteHookState:
         self.iter = 0
         self.bucket_calls = 0  # hook calls so far in this iteration
         self.deferred_error: NonFiniteError | None = None  # raised once DDP's backward is done
+        self.deferred_flags: list[tuple[torch.Tensor, NonFiniteError]] = []  # raised then if a flag is set
         self.raise_queued = False  # whether a callback will raise it at the end of backward
         self.layout: NodeLayout | None = None  # node and rail groups (hierarchical), made at the first call
+        # Once a flat vote has run, every bucket's vote headers carry (iteration, bucket) and are
+        # compared on every rank: the per-iteration agreement (a host read) is then redundant.
+        self.headers_agree = False
         self.pending = VotePipeline(self.defer)  # this backward pass's votes still in flight
         self.stats = CommStats()
         self.raised = 0  # iterations whose backward raised NonFiniteError
@@ -149,17 +157,16 @@ class VoteHookState:
     def begin_bucket(self, bucket: dist.GradBucket) -> None:
         """Consistency checks at the start of each hook call (collectives on this thread)."""
         flat = bucket.buffer()
-        device = flat.device
         if not self.settings_checked:
-            check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings", device=device)
+            check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings")
             self.settings_checked = True
         if self.bucket_calls == 0:
             self.node_layout()
+        if self.bucket_calls == 0 and (not self.headers_agree or self.check_replicas_every):
             agree(
                 {"iteration": self.iter, "bucket": bucket.index(), "entries": flat.numel()},
                 self.process_group,
                 what=f"{type(self).__name__}'s first bucket of an iteration",
-                device=device,
                 stats=self.stats,
             )
             if self.nonfinite == "raise":
@@ -188,11 +195,16 @@ class VoteHookState:
             self.iter += 1
             self.bucket_calls = 0
 
-    def defer(self, error: NonFiniteError) -> None:
-        """Keep ``error`` to raise after DDP's backward (raising inside DDP would break it)."""
+    def defer(self, error: NonFiniteError, flag: torch.Tensor | None = None) -> None:
+        """Keep ``error`` to raise after DDP's backward (raising inside DDP would break it); with
+        ``flag`` (0-d bool, not read yet), only if it is set, read then."""
         if not self.raise_queued:
-            raise error  # not inside a backward pass: nothing to protect
-        if self.deferred_error is None:
+            if flag is None or bool(flag):
+                raise error  # not inside a backward pass: nothing to protect
+            return
+        if flag is not None:
+            self.deferred_flags.append((flag, error))
+        elif self.deferred_error is None:
             self.deferred_error = error
 
     def param_key(self, param: torch.Tensor) -> int:
@@ -238,6 +250,7 @@ class VoteHookState:
                 stats=self.stats, label=label, tag=tag, momentum=node_momentum,
             )  # fmt: skip
         else:
+            self.headers_agree = True
             work = majority_vote_async(
                 voter,
                 self.process_group,
@@ -269,8 +282,8 @@ class VoteHookState:
     # -- checkpointing -------------------------------------------------------------------
 
     _UNPICKLED = (
-        "process_group", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "raise_queued",
-        "layout",
+        "process_group", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "deferred_flags",
+        "raise_queued", "layout", "headers_agree",
     )  # fmt: skip
 
     @classmethod
@@ -289,8 +302,10 @@ class VoteHookState:
         self.param_keys = {}
         self.bucket_calls = 0
         self.deferred_error = None
+        self.deferred_flags = []
         self.raise_queued = False
         self.layout = None
+        self.headers_agree = False
         self.buckets_seen = 0
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
         for slot, value in state.items():
@@ -313,6 +328,7 @@ class VoteHookState:
             )
         self.iter = int(state_dict["iter"])
         self.stats.load_state_dict(state_dict["stats"])
+        self.headers_agree = False  # a resumed rank agrees on its iteration again first
 
 
 def _raise_after_backward(state: VoteHookState) -> bool:
@@ -326,6 +342,9 @@ def _raise_after_backward(state: VoteHookState) -> bool:
 
     def check() -> None:
         error, state.deferred_error = state.deferred_error, None
+        flags, state.deferred_flags = state.deferred_flags, []
+        if error is None and flags and bool(torch.stack([flag for flag, _ in flags]).any()):  # one read
+            error = next(e for flag, e in flags if bool(flag))
         if error is not None:
             state.raised += 1
             raise error

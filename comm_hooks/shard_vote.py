@@ -27,9 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .dist import CommStats, mean_all_reduce, nonfinite_flag
+from .dist import CommStats, all_reduce, group_device, mean_all_reduce, nonfinite_flag
 from .kernels.layout import SignSegments
 from .vote import NodeLayout, VoteConfig, VoteWork, gather_in_node
 
@@ -76,14 +75,19 @@ class ShardVoter:
     def __init__(self, layout: NodeLayout, config: VoteConfig, stats: CommStats) -> None:
         self.layout, self.config, self.stats = layout, config, stats
 
+    @property
+    def device(self) -> torch.device:
+        """Where this step's tensors live: the rail's device, also on a rank that holds no shard."""
+        return group_device(self.layout.rail_group)
+
     def _node_flags(self, shards: Sequence[torch.Tensor | None]) -> list[bool]:
         """Per tensor: NaN or Inf in the shard of some rank of the node (one tiny all-reduce)."""
         flags = torch.stack(
-            [nonfinite_flag(s) if s is not None else torch.tensor(False, device=_device_of(shards)) for s in shards]
+            [nonfinite_flag(s) if s is not None else torch.tensor(False, device=self.device) for s in shards]
         ).to(torch.int32)
         if self.layout.node_group is not None and self.layout.ranks_per_node > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.layout.node_group)
-            size = 2 * flags.numel() * flags.element_size()
+            all_reduce(flags, self.layout.node_group, op="max")
+            size = 2 * flags.numel() * flags.element_size()  # as counted before: what a tiny all-reduce sends
             self.stats.add(size, size, inside_node=True)
         return [bool(f) for f in flags.tolist()]
 
@@ -107,7 +111,7 @@ class ShardVoter:
         if not shards:
             return []
         L, local = self.layout.ranks_per_node, self.layout.local_rank
-        device = _device_of(shards)
+        device = self.device
         bad = self._node_flags(shards)
         usable = [s is not None and not b for s, b in zip(shards, bad)]
         dirs = [direction(i, s) if ok else None for i, (s, ok) in enumerate(zip(shards, usable))]
@@ -193,7 +197,7 @@ class ShardVoter:
         full-precision all-reduce on the rail."""
         if not shards:
             return []
-        device = _device_of(shards)
+        device = self.device
         full = [s.float() if s is not None else torch.zeros(shape, device=device) for s, shape in zip(shards, shapes)]
         flat = torch.cat([f.reshape(-1) for f in full])
         self.stats.calls += 1
@@ -204,7 +208,3 @@ class ShardVoter:
             cursor += f.numel()
         return out
 
-
-def _device_of(shards: Sequence[torch.Tensor | None]) -> torch.device:
-    """The device of the first shard present (CPU when none is)."""
-    return next((s.device for s in shards if s is not None), torch.device("cpu"))

@@ -15,6 +15,7 @@ from .dist import (
     check_same_settings,
     flatten,
     gather_rows,
+    group_device,
     group_size_rank,
     mean_all_reduce,
     split_like,
@@ -45,10 +46,10 @@ class StepVoter:
     def world_size(self) -> int:
         return group_size_rank(self.group)[0]
 
-    def check_settings(self, settings: dict, what: str, device: torch.device) -> None:
+    def check_settings(self, settings: dict, what: str) -> None:
         """Compare ``settings`` across ranks, once (raises ``SettingsMismatchError`` on every rank)."""
         if not self._settings_checked:
-            check_same_settings(settings, self.group, what=what, device=device)
+            check_same_settings(settings, self.group, what=what)
             self._settings_checked = True
 
     def settings_changed(self) -> None:
@@ -66,8 +67,7 @@ class StepVoter:
     def used_on_any_rank(self, params: list[torch.Tensor], step: int, who: str) -> list[torch.Tensor]:
         """``params`` with a gradient on some rank (the same list on every rank), after checking
         that every rank is at the same ``step``: one all-gather of 1 + P words."""
-        device = params[0].device if params else "cpu"
-        row = torch.tensor([step] + [p.grad is not None for p in params], dtype=torch.int64, device=device)
+        row = torch.tensor([step] + [p.grad is not None for p in params], dtype=torch.int64, device=group_device(self.group))
         rows = gather_rows(row, self.group, self.stats)  # [M, 1 + P]
         steps = rows[:, 0].tolist()
         if len(set(steps)) > 1:

@@ -47,6 +47,8 @@ from signmuon.comm_hooks.dist import (
     NonFiniteError,
     check_same_settings,
     flatten,
+    gather_rows,
+    group_device,
     group_size_rank,
     mean_all_reduce,
     settings_digest,
@@ -340,9 +342,8 @@ def worker_distances(distances: list[float], group: dist.ProcessGroup, gather: b
     world_size, _ = group_size_rank(group)
     if not gather or world_size == 1:
         return mine, mine
-    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
-    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.float64), group=group)
-    return float(torch.cat(gathered).mean()), float(torch.cat(gathered).max())
+    gathered = gather_rows(torch.tensor([mine], dtype=torch.float64, device=group_device(group)), group)
+    return float(gathered.mean()), float(gathered.max())
 
 
 def _describe(factory: Any) -> str:

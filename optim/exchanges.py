@@ -44,8 +44,7 @@ def in_step(optimizer, voter: StepVoter, params: list[torch.Tensor], name: str) 
             "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
         )
     if world_size > 1:
-        device = params[0].device if params else torch.device("cpu")
-        voter.check_settings(optimizer.settings(), f"{name} settings", device)
+        voter.check_settings(optimizer.settings(), f"{name} settings")
         params = voter.used_on_any_rank(params, optimizer.steps_taken, name)
     else:
         params = [p for p in params if p.grad is not None]

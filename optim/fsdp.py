@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from signmuon.comm_hooks.dist import check_same_settings
+from signmuon.comm_hooks.dist import check_same_settings, group_device
 from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
 from signmuon.comm_hooks.vote import NodeLayout
 
@@ -50,7 +50,8 @@ def node_mesh(ranks_per_node: int | None = None, *, device_type: str | None = No
     """The two-dimensional (node, local) ``DeviceMesh`` of N nodes of L ranks; a collective.
 
     ``ranks_per_node`` states L; None reads torchrun's ``LOCAL_WORLD_SIZE``. ``device_type``:
-    None takes ``"cuda"`` under the NCCL backend, else ``"cpu"``. Shard with
+    None takes the default group's device (:func:`~signmuon.comm_hooks.dist.group_device`:
+    ``"cuda"`` under NCCL, also as ``"cpu:gloo,cuda:nccl"``), else ``"cpu"``. Shard with
     ``fully_shard(module, mesh=mesh["local"])`` and pass the whole mesh to :func:`register_fsdp_vote`.
     """
     if not dist.is_initialized():
@@ -63,7 +64,7 @@ def node_mesh(ranks_per_node: int | None = None, *, device_type: str | None = No
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node!r} must be an int >= 1 that divides the world size {world_size}")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = group_device(None).type
     return init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node), mesh_dim_names=MESH_DIMS)
 
 
@@ -86,8 +87,7 @@ class ShardedVote:
         """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
         its shard of each mean gradient); every parameter takes part, with or without a gradient."""
         if not self.settings_checked:
-            device = local_tensor(params[0]).device if params else torch.device("cpu")
-            check_same_settings(optimizer.settings(), optimizer.process_group, what=f"{name} settings", device=device)
+            check_same_settings(optimizer.settings(), optimizer.process_group, what=f"{name} settings")
             self.settings_checked = True
         voted, averaged = optimizer.split_by_path(params)
         finish = None

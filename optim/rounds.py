@@ -29,6 +29,7 @@ from signmuon.comm_hooks import CommStats, NodeLayout, VoteConfig, majority_vote
 from signmuon.comm_hooks.dist import (
     agree,
     gather_rows,
+    group_device,
     group_size_rank,
     mean_all_reduce,
     nonfinite_flag,
@@ -347,10 +348,10 @@ def round_flags(
     ``VoteMismatchError`` on every rank, rather than a collective of mismatched sizes).
     Parameters with a gradient on any rank take part everywhere, so one unused on a single rank
     is still averaged consistently."""
-    device = params[0].device if params else "cpu"
+    device = group_device(group)
     layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
     fields = {"step": step, "parameters": len(params), "layout": layout, "settings": settings}
-    agree(fields, group, what="a DPPF round", device=device, stats=stats)
+    agree(fields, group, what="a DPPF round", stats=stats)
     # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
     flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
     flags[-1, 0] = int(unchecked)

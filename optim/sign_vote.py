@@ -88,18 +88,28 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         vote = VoteConfig.of(vote)
         self.master_weights = bool(master_weights)
         self.vote_config = vote
-        self.process_group = process_group
         self.vote_in_step = bool(vote_in_step)
         self.checkpoint_all_ranks = bool(checkpoint_all_ranks)
         self.steps_taken = 0  # optimizer steps so far: the one iteration counter (checkpointed)
         self.stats = CommStats()  # bytes step() sends itself (vote_in_step); the hook has its own
-        self._voter = StepVoter(process_group, vote, self.stats)
+        self.process_group = process_group  # builds the voter of vote_in_step
         self._comm_state: SignMuonHookState | None = None
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
         self._owners: tuple[int, dict[torch.Tensor, int]] | None = None  # (L, param -> owning local rank)
         self.sharded_vote: "ShardedVote | None" = None
         """The FSDP vote's mesh, voter and shard layout, set by :func:`~signmuon.optim.register_fsdp_vote`."""
         super().__init__(params, defaults)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The ranks that vote (None = WORLD). Setting it (as DeepSpeed's engine does with its
+        data-parallel group) also moves ``vote_in_step``'s vote there."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self._process_group = group
+        self._voter = StepVoter(group, self.vote_config, self.stats)
 
     # -- parameter routing and eager state ------------------------------------------------
 

@@ -113,3 +113,52 @@ def test_only_the_benchmarks_own_tests_import_the_benchmarks():
             if module.startswith("signmuon.benchmarks"):
                 offenders.append(f"{path.name}:{line}: {module}")
     assert not offenders, offenders
+
+
+# Modules that own a collective; everything else reaches them through ``comm_hooks.dist`` (or an
+# exchange), where tensors are made on the group's device (``group_device``). The benchmarks'
+# bandwidth command times raw collectives against ours, and their launcher synchronises ranks.
+COLLECTIVE_OWNERS = {
+    "comm_hooks/dist/groups.py", "comm_hooks/dist/tensors.py", "comm_hooks/vote/exchange.py", "optim/checkpoint.py",
+    "benchmarks/bandwidth.py", "benchmarks/launch.py",
+}
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
+    "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier",
+}
+
+
+def _raw_collectives(path: pathlib.Path) -> list[str]:
+    """``dist.X(...)`` / ``torch.distributed.X(...)`` calls of a collective X in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed"):
+                found.append(f"line {node.lineno}: {owner}.{node.func.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_collectives_are_issued_only_by_the_modules_that_own_them(path):
+    relative = path.relative_to(ROOT).as_posix()
+    raw = _raw_collectives(path)
+    if relative in COLLECTIVE_OWNERS:
+        assert raw, f"{relative} is listed as owning a collective but issues none: take it off the list"
+    else:
+        assert not raw, f"{relative} issues raw collectives (use signmuon.comm_hooks.dist): {raw}"
+
+
+def test_no_device_argument_defaults_to_the_cpu():
+    """A ``device="cpu"`` default puts a collective's tensors on the CPU under NCCL."""
+    offenders = []
+    for path in LIBRARY:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + node.args.kw_defaults
+                for arg, default in zip(args, defaults):
+                    if "device" in arg.arg and isinstance(default, ast.Constant) and default.value == "cpu":
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg}='cpu')")
+    assert not offenders, offenders

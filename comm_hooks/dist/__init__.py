@@ -9,9 +9,9 @@ from .consistency import (
     settings_digest,
     tensor_fingerprint,
 )
-from .groups import NonFiniteError, VoteMismatchError, agree, control_device, gather_rows, group_size_rank
+from .groups import NonFiniteError, VoteMismatchError, agree, gather_rows, group_device, group_size_rank
 from .stats import CommStats
-from .tensors import flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
+from .tensors import all_reduce, flatten, host_words, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
 
 __all__ = [
     "CommStats",
@@ -20,12 +20,14 @@ __all__ = [
     "SettingsMismatchError",
     "VoteMismatchError",
     "agree",
+    "all_reduce",
     "check_replicas",
     "check_same_settings",
-    "control_device",
     "flatten",
     "gather_rows",
+    "group_device",
     "group_size_rank",
+    "host_words",
     "mean_all_reduce",
     "nonfinite_flag",
     "ring_bytes",

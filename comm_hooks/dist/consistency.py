@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .groups import VoteMismatchError, control_device, gather_rows, group_size_rank
+from .groups import VoteMismatchError, gather_rows, group_device, group_size_rank
 
 __all__ = [
     "ReplicaDivergenceError",
@@ -62,19 +62,15 @@ def check_same_settings(
     group: dist.ProcessGroup | None = None,
     *,
     what: str = "settings",
-    device: torch.device | str | None = None,
 ) -> None:
     """Raise :class:`SettingsMismatchError` on every rank unless all ranks pass equal ``settings``.
 
-    One all-gather of a 64-bit digest, on ``device`` (default: the current GPU under NCCL,
-    else the CPU).
+    One all-gather of a 64-bit digest, on the group's device (:func:`group_device`).
     """
     world_size, rank = group_size_rank(group)
     if world_size == 1:
         return
-    if device is None:
-        device = control_device(group)
-    digests = gather_rows(torch.tensor([settings_digest(settings)], dtype=torch.int64, device=device), group)
+    digests = gather_rows(torch.tensor([settings_digest(settings)], dtype=torch.int64, device=group_device(group)), group)
     digests = digests.view(-1).tolist()
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
@@ -139,7 +135,7 @@ def check_replicas(
     world_size, _ = group_size_rank(group)
     if world_size == 1:
         return
-    device = tensors[0].device if tensors else "cpu"
+    device = group_device(group)
     if tensors:
         prints = torch.stack([tensor_fingerprint(t).to(device) for t in tensors])  # [T]
         metas = torch.tensor([_meta_word(t) for t in tensors], dtype=torch.int64, device=device)  # [T]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .stats import CommStats
 
-__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "control_device", "gather_rows", "group_size_rank"]
+__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "gather_rows", "group_device", "group_size_rank"]
 
 
 class NonFiniteError(RuntimeError):
@@ -36,13 +36,32 @@ def group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return group.size(), getattr(group, "parent", group).rank()
 
 
-def control_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where ``group``'s small control tensors live: the current GPU under NCCL, else the CPU."""
+def _backend_name(group: dist.ProcessGroup | None) -> str:
     try:
-        backend = dist.get_backend(group)
+        return dist.get_backend(group)
     except ValueError:  # outside torch.distributed's registry (torchft's groups): the group names itself
-        backend = group.getBackendName() if hasattr(group, "getBackendName") else group.name()
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        return group.getBackendName() if hasattr(group, "getBackendName") else group.name()
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device of the tensors a collective on ``group`` takes: the current GPU under NCCL
+    (also as ``"cpu:gloo,cuda:nccl"``, what a bare ``init_process_group()`` picks on a GPU
+    machine, and torchft's NCCL groups), the accelerator a per-device backend names for it
+    (``"xpu:xccl"``), else the CPU (gloo).
+
+    Every tensor the library makes for a collective (flags, headers, distances, agreement rows)
+    is made here: NCCL rejects CPU tensors, and a CPU tensor next to GPU work stalls the stream.
+    """
+    backend = _backend_name(group)
+    if ":" in backend:  # a backend per device type
+        pairs = [entry.split(":", 1) for entry in backend.split(",")]
+        kind = next((device for device, name in pairs if device != "cpu" and name != "gloo"), "cpu")
+    else:
+        kind = "cuda" if "nccl" in backend else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)  # torch.cuda, torch.xpu: the current device's index
+    return torch.device(kind, module.current_device()) if hasattr(module, "current_device") else torch.device(kind)
 
 
 def gather_rows(
@@ -66,7 +85,6 @@ def agree(
     group: dist.ProcessGroup | None,
     *,
     what: str,
-    device: torch.device | str = "cpu",
     describe: Mapping[str, Callable[[int], str]] | None = None,
     stats: CommStats | None = None,
 ) -> None:
@@ -80,7 +98,7 @@ def agree(
     world_size, _ = group_size_rank(group)
     if world_size == 1:
         return
-    row = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64, device=device)
+    row = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64, device=group_device(group))
     rows = gather_rows(row, group, stats).tolist()
     if all(r == rows[0] for r in rows):
         return

@@ -19,23 +19,41 @@ class CommStats:
     them (the headers' reads): the split is exact on CPU and indicative on GPU.
     """
 
-    __slots__ = (
+    _FIELDS = (
         "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
         "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds",
     )  # fmt: skip
+    __slots__ = (*(name for name in _FIELDS if name != "skipped"), "_skipped", "_skip_flags")
     _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds")
 
     def __init__(self) -> None:
         self.calls = 0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.skipped = 0
+        self._skipped = 0
+        self._skip_flags: list = []  # 0-d bool tensors on a device, counted when read
         self.bytes_sent_inside_node = 0
         self.bytes_received_inside_node = 0
         self.pack_seconds = 0.0
         self.vote_seconds = 0.0
         self.unpack_seconds = 0.0
         self.wait_seconds = 0.0
+
+    @property
+    def skipped(self) -> int:
+        """Calls skipped for non-finite input (flags left on a device are read now, not when set)."""
+        if self._skip_flags:
+            self._skipped += int(sum(int(flag) for flag in self._skip_flags))
+            self._skip_flags = []
+        return self._skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self._skipped, self._skip_flags = value, []
+
+    def skip_if(self, flag) -> None:
+        """Count a skip where the 0-d bool ``flag`` is set, without reading it now (no host sync)."""
+        self._skip_flags.append(flag)
 
     def add(self, sent: int, received: int, inside_node: bool = False) -> None:
         self.bytes_sent += sent
@@ -49,13 +67,13 @@ class CommStats:
         return self.bytes_sent - self.bytes_sent_inside_node
 
     def state_dict(self) -> dict[str, int | float]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self._FIELDS}
 
     def load_state_dict(self, state: dict[str, int | float]) -> None:
-        for name in self.__slots__:
+        for name in self._FIELDS:
             kind = float if name in self._SECONDS else int
             setattr(self, name, kind(state.get(name, 0)))
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self._FIELDS)
         return f"CommStats({fields})"

@@ -3,6 +3,7 @@ result back, the full-precision mean all-reduce and its ring byte count, a finit
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +12,9 @@ import torch.distributed as dist
 from .groups import group_size_rank
 from .stats import CommStats
 
-__all__ = ["flatten", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
+__all__ = ["all_reduce", "flatten", "host_words", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -37,6 +40,28 @@ def ring_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size
 
 
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    *,
+    op: str = "sum",
+    inside_node: bool = False,
+    async_op: bool = False,
+):
+    """In place: ``tensor`` becomes the ``op`` (``"sum"``, ``"max"`` or ``"min"``) over ``group``;
+    the ring's bytes are added to ``stats`` (as bytes inside a node where ``inside_node``).
+    Returns the work handle where ``async_op`` (None for a group of one), else ``tensor``."""
+    world_size, _ = group_size_rank(group)
+    if stats is not None:
+        ring = ring_bytes(tensor.numel() * tensor.element_size(), world_size)
+        stats.add(ring, ring, inside_node=inside_node)
+    if world_size == 1:
+        return None if async_op else tensor
+    work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+    return work if async_op else tensor
+
+
 def mean_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -53,14 +78,30 @@ def mean_all_reduce(
     for a group of one), else ``tensor``.
     """
     world_size, _ = group_size_rank(group)
-    if stats is not None:
-        ring = ring_bytes(tensor.numel() * tensor.element_size(), world_size)
-        stats.add(ring, ring, inside_node=inside_node)
-    if world_size == 1:
-        return None if async_op else tensor
-    tensor.div_(world_size)
-    work = dist.all_reduce(tensor, group=group, async_op=async_op)
-    return work if async_op else tensor
+    if world_size > 1:
+        tensor.div_(world_size)
+    return all_reduce(tensor, group, stats, inside_node=inside_node, async_op=async_op)
+
+
+_PINNED = threading.local()  # per thread (DDP's hooks run on the autograd thread): device -> pinned buffer
+
+
+def host_words(words: torch.Tensor) -> list[int]:
+    """The int64 ``words`` (1-D) as Python ints: one host synchronisation off the CPU.
+
+    From a CUDA device they land in a pinned host buffer kept per device (a pageable copy
+    stages through a bounce buffer first), copied on the current stream, which is then waited for.
+    """
+    if words.device.type != "cuda":
+        return words.tolist()
+    buffers = _PINNED.__dict__.setdefault("buffers", {})
+    pinned = buffers.get(words.device)
+    if pinned is None or pinned.numel() < words.numel():
+        pinned = buffers[words.device] = torch.empty(max(words.numel(), 256), dtype=torch.int64, pin_memory=True)
+    host = pinned[: words.numel()]
+    host.copy_(words, non_blocking=True)
+    torch.cuda.current_stream(words.device).synchronize()
+    return host.tolist()
 
 
 def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:

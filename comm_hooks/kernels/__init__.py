@@ -6,7 +6,8 @@ at bit ``k`` of word ``j``, padding bits past the data set in both planes):
 * ``pack(x, words) -> (positive, nonzero, zeros, nonfinite)``: both planes, the count of exact
   zeros and whether ``x`` holds NaN or Inf, in one read of ``x``;
 * ``vote(positive, nonzero, dense, tie) -> (positive, nonzero)``: the majority of M voters'
-  [M, S] planes (``dense[v]``: voter v has no zeros; ``tie``: tie-break bits or None);
+  [M, S] planes (``dense[v]``, a host sequence of M bools: voter v has no zeros; ``tie``:
+  tie-break bits or None);
 * ``momentum_pack(buf, grad, weight, skip, words)``: Signum's momentum step
   ``buf.lerp_(grad, weight)`` (left out where the 0-d bool ``skip`` is set: a non-finite
   gradient), then ``pack(buf, words)``; Triton fuses both into one pass over the tensors,
@@ -60,7 +61,7 @@ def kernels_for(device: torch.device, choice: str = "auto") -> ModuleType:
         ) from error
 
 
-def warm_up(device: torch.device | str = "cpu", dtypes=(torch.float32,), choice: str = "auto") -> None:
+def warm_up(device: torch.device | str, dtypes=(torch.float32,), choice: str = "auto") -> None:
     """Run every kernel of the family once on a tiny input of each of ``dtypes``, so the first
     compile (numba's, or loading its on-disk cache; Triton's) happens now, not in a timed region."""
     from .layout import SignSegments
@@ -74,7 +75,7 @@ def warm_up(device: torch.device | str = "cpu", dtypes=(torch.float32,), choice:
             kernels.momentum_pack(torch.zeros(3, dtype=momentum_dtype, device=device), x, 0.1, no_skip, 1)  # hooks' kinds
         planes, masks = positive.repeat(2, 1), nonzero.repeat(2, 1)
         tie = kernels.tie_words(SignSegments((0, 3), (0,), (1,)), 0, 0, 1, positive.device)
-        dense = torch.tensor([False, True], device=positive.device)
+        dense = (False, True)
         voted_positive, voted_nonzero = kernels.vote(planes, masks, dense, tie)
         kernels.unpack(voted_positive, voted_nonzero, torch.empty_like(x))
         kernels.unpack(voted_positive, None, torch.empty_like(x))

@@ -273,7 +273,7 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tens
     )  # fmt: skip
 
 
-def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense: torch.Tensor | None, tie: torch.Tensor | None):
+def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense, tie: torch.Tensor | None):
     """Vote [M, S] planes; ``dense[v]`` marks voters without zeros (their ``nonzero`` row unused).
 
     Returns ``(positive, nonzero)`` int64 [S] planes of the voted sign.
@@ -281,12 +281,12 @@ def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense: torch.Tens
     voters, words = positive.shape
     if nonzero is None:
         nonzero = positive
-        dense = torch.ones(voters, dtype=torch.bool)
+        dense = [True] * voters
     out_pos = torch.empty(words, dtype=torch.int64)
     out_nz = torch.empty(words, dtype=torch.int64)
     tie_np = _u64(tie) if tie is not None else np.empty(0, dtype=np.uint64)
     _vote_kernel(
-        _u64(positive.contiguous()), _u64(nonzero.contiguous()), dense.numpy(), tie_np, tie is not None,
+        _u64(positive.contiguous()), _u64(nonzero.contiguous()), np.asarray(dense, dtype=np.bool_), tie_np, tie is not None,
         _u64(out_pos), _u64(out_nz), max(1, voters.bit_length()),
     )  # fmt: skip
     return out_pos, out_nz

@@ -57,9 +57,11 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tens
     out.copy_(values)
 
 
-def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense: torch.Tensor | None, tie: torch.Tensor | None):
-    if nonzero is not None and dense is not None:
-        nonzero = torch.where(dense.to(positive.device).unsqueeze(1), torch.full_like(nonzero, -1), nonzero)
+def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense, tie: torch.Tensor | None):
+    if nonzero is not None and dense is not None and any(dense):
+        nonzero = nonzero.clone()
+        for voter in (v for v, no_zeros in enumerate(dense) if no_zeros):  # on the host: no index tensor to copy
+            nonzero[voter].fill_(-1)
     return vote_packed(positive, nonzero, tie_break=tie)
 
 
@@ -183,27 +185,41 @@ def _logicalshift_right(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return (z >> shift) & ~((-1 << (63 - shift)) << 1)
 
 
+@functools.lru_cache(maxsize=256)
+def _tie_tables(segments: SignSegments, first_entry: int, words: int, device: torch.device):
+    """What the tie bits of a layout need besides the call key, on ``device``: per word its
+    segment's key and its first entry's index there; for the few words that cross a segment
+    boundary (or the end of the data), the same per entry. Built on the host once per layout
+    (a DDP bucket's, a shard's), so a call reads nothing back from the device."""
+    starts = np.asarray(segments.starts, dtype=np.int64)
+    keys = np.asarray([as_signed(k & MASK64) for k in segments.keys], dtype=np.int64)
+    firsts = np.asarray(segments.first_indices, dtype=np.int64)
+    last = len(segments.keys) - 1
+    low_entry = first_entry + 64 * np.arange(words, dtype=np.int64)
+    seg = np.clip(np.searchsorted(starts, low_entry, side="right") - 1, 0, last)
+    index = low_entry - starts[seg] + firsts[seg]
+    crossing = np.flatnonzero(starts[seg + 1] < low_entry + 64)
+    entries = low_entry[crossing, None] + np.arange(64, dtype=np.int64)  # [k, 64]
+    eseg = np.clip(np.searchsorted(starts, entries, side="right") - 1, 0, last)
+    eindex = entries - starts[eseg] + firsts[eseg]
+    inside = entries < segments.numel
+    host = (keys[seg], index, crossing, keys[eseg], eindex, inside)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in host)
+
+
 def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: int, device=None) -> torch.Tensor:
     """Word by word: a word inside one segment is two hash words shifted together; only the
-    few words that cross a segment boundary (or the end of the data) go entry by entry."""
-    starts = torch.tensor(segments.starts, dtype=torch.int64, device=device)
-    keys = torch.tensor([as_signed(k & MASK64) for k in segments.keys], dtype=torch.int64, device=device)
-    firsts = torch.tensor(segments.first_indices, dtype=torch.int64, device=device)
+    few words that cross a segment boundary (or the end of the data) go entry by entry. The
+    layout's tables are cached on the device (:func:`_tie_tables`): no host synchronisation."""
+    seg_keys, index, crossing, entry_keys, eindex, inside = _tie_tables(segments, first_entry, words, torch.device(device or "cpu"))
     key = as_signed(call_key & MASK64)
-    low_entry = first_entry + 64 * torch.arange(words, dtype=torch.int64, device=device)  # [words]
-    seg = (torch.searchsorted(starts, low_entry, right=True) - 1).clamp(0, len(segments.keys) - 1)
-    index = low_entry - starts[seg] + firsts[seg]
-    seg_key = _mix64(keys[seg] ^ key)
+    seg_key = _mix64(seg_keys ^ key)
     block, offset = shift_right(index, 6), index & 63
     first = _mix64(seg_key + block * as_signed(GOLDEN))
     second = _mix64(seg_key + (block + 1) * as_signed(GOLDEN))
     out = _logicalshift_right(first, offset) | torch.where(offset > 0, second << ((64 - offset) & 63), 0)
-    crossing = (starts[seg + 1] < low_entry + 64).nonzero().view(-1)
-    if crossing.numel():
-        entries = low_entry[crossing].unsqueeze(1) + torch.arange(64, device=device)  # [k, 64]
-        eseg = (torch.searchsorted(starts, entries, right=True) - 1).clamp(0, len(segments.keys) - 1)
-        eindex = entries - starts[eseg] + firsts[eseg]
-        h = _mix64(_mix64(keys[eseg] ^ key) + shift_right(eindex, 6) * as_signed(GOLDEN))
-        bits = ((h >> (eindex & 63)) & 1).masked_fill_(entries >= segments.numel, 0)
-        out[crossing] = (bits * _bit_weights(entries.device)).sum(dim=1)
+    if crossing.numel():  # known on the host: the tables' shape
+        h = _mix64(_mix64(entry_keys ^ key) + shift_right(eindex, 6) * as_signed(GOLDEN))
+        bits = ((h >> (eindex & 63)) & 1) * inside
+        out[crossing] = (bits * _bit_weights(eindex.device)).sum(dim=1)
     return out

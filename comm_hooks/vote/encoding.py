@@ -158,9 +158,9 @@ class SignEncoding:
     def reduce(self, rows, codes, values, extras, part, plan) -> EncodedRows:
         device = rows.device
         planes = self._planes(codes, extras, plan.words, device)
-        dense = torch.tensor([not c & ZEROS_SENT for c in codes], dtype=torch.bool)
+        dense = [not c & ZEROS_SENT for c in codes]
         tie = None
-        if self.tie == "fast":
+        if self.tie == "fast" and (len(codes) % 2 == 0 or planes is not None):  # odd M without zeros: no ties
             segments = self.segments or SignSegments.whole(plan.numel)
             first = self.first_entry + part * plan.part_entries
             tie = self.kernels.tie_words(segments, self.key, first, plan.words, device)
@@ -180,7 +180,11 @@ class SignEncoding:
             return
         if not any(c & (ZERO_PLANE | ZERO_RUNS) for c in codes):  # only short lists: zero them after a dense unpack
             self.kernels.unpack(positive, None, flat)
-            where = [list_positions(e) + part * plan.part_entries for part, e in enumerate(extras) if e is not None]
+            where = []
+            for part, e in enumerate(extras):
+                if e is not None:  # a list's padding (-1, at its end) repeats its first position
+                    positions = list_positions(e)
+                    where.append(torch.where(positions >= 0, positions, positions[0]) + part * plan.part_entries)
             flat.index_fill_(0, torch.cat(where), 0)
             return
         planes = self._planes(codes, extras, plan.words, out.device).reshape(-1)

@@ -44,7 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..dist import CommStats, NonFiniteError, VoteMismatchError, agree, group_size_rank
+from ..dist import CommStats, NonFiniteError, VoteMismatchError, agree, group_size_rank, host_words
 from .wire import (
     AGREE_FIELDS,
     DTYPE_CODES,
@@ -100,7 +100,6 @@ class ExchangeWork:
                 {"entries": flat.numel(), "dtype": DTYPE_CODES[flat.dtype], "tag": tag & ((1 << 63) - 1)},
                 group,
                 what=label or "the same collective",
-                device=flat.device,
                 describe={"dtype": lambda code: describe_shape(code << 56).split(" of ")[1]},
                 stats=stats,
             )
@@ -190,7 +189,12 @@ class ExchangeWork:
         if self._work is not None:
             self._work.wait()
         plan, M = self._plan, self._plan.world_size
-        headers = self._recv[:, :HEADER_WORDS].tolist()  # the one host sync of this step
+        enc = self._encoded
+        ours = plan.two_phase and getattr(enc, "zero_planes", None) is not None  # what we may send each rank
+        words = self._recv[:, :HEADER_WORDS].reshape(-1)
+        words = host_words(torch.cat([words, enc.codes]) if ours else words)  # the one host sync of this step
+        headers = [words[r * HEADER_WORDS : (r + 1) * HEADER_WORDS] for r in range(M)]
+        sending = words[M * HEADER_WORDS :] if ours else [0] * M
         start = self._time("wait_seconds", start)
         self._check_headers(headers)
         bad_ranks = [r for r, h in enumerate(headers) if h[0] & FLAG_NONFINITE]
@@ -203,11 +207,9 @@ class ExchangeWork:
             return
         codes = [h[0] & ~EXCHANGE_FLAGS for h in headers]
         lengths = [extra_words(c) for c in codes]
-        enc = self._encoded
         extras: list = [None] * M
         if any(h[0] & FLAG_SENDS_EXTRA for h in headers):  # the same decision on every rank
             if plan.two_phase:
-                sending = enc.codes.tolist()  # one read for all destinations
                 mine = [enc.extra(d, sending[d]) if extra_words(sending[d]) else self._nothing() for d in range(M)]
                 extras = self._exchange_extras(lengths, mine, broadcast=False)
             else:
@@ -238,7 +240,8 @@ class ExchangeWork:
         elif plan.two_phase:
             start = time.perf_counter()
             self._work.wait()
-            headers = self._recv[:, :GATHER_HEADER_WORDS].tolist()  # host sync: extras' sizes
+            words = host_words(self._recv[:, :GATHER_HEADER_WORDS].reshape(-1))  # host sync: extras' sizes
+            headers = [words[r * GATHER_HEADER_WORDS : (r + 1) * GATHER_HEADER_WORDS] for r in range(plan.world_size)]
             codes = [h[0] for h in headers]
             lengths = [extra_words(c) for c in codes]
             extras: list = [None] * plan.world_size
@@ -252,7 +255,7 @@ class ExchangeWork:
         else:
             start = time.perf_counter()
             reduced = self._reduced
-            code, value = torch.stack([reduced.codes[0], reduced.values[0]]).tolist()  # one host sync
+            code, value = host_words(torch.stack([reduced.codes[0], reduced.values[0]]))  # one host sync
             extras = [reduced.extra(0, code) if extra_words(code) else None]
             self._encoding.decode(reduced.rows, [code], [value], extras, plan, self._out)
             self._time("unpack_seconds", start)

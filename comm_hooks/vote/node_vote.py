@@ -31,9 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..dist import CommStats, flatten, gather_rows, mean_all_reduce, nonfinite_flag, ring_bytes, split_like
+from ..dist import CommStats, all_reduce, flatten, gather_rows, mean_all_reduce, nonfinite_flag, ring_bytes, split_like
 from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
@@ -90,10 +89,10 @@ def merge_in_node(values: torch.Tensor, held: torch.Tensor, layout: NodeLayout, 
         values.masked_fill_(~held, 0)
         return
     holder = torch.where(held, layout.local_rank, layout.ranks_per_node).to(torch.int32)
-    dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=layout.node_group)
+    all_reduce(holder, layout.node_group, op="min")
     values.masked_fill_(holder != layout.local_rank, 0)
-    dist.all_reduce(values, group=layout.node_group)
-    if stats is not None:
+    all_reduce(values, layout.node_group)
+    if stats is not None:  # the two rings counted as one message
         ring = ring_bytes(holder.numel() * holder.element_size() + values.numel() * values.element_size(),
                           layout.ranks_per_node)  # fmt: skip
         stats.add(ring, ring, inside_node=True)

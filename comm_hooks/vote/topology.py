@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..dist import control_device, gather_rows, group_size_rank
+from ..dist import gather_rows, group_device, group_size_rank
 
 __all__ = ["NodeLayout", "node_layout"]
 
@@ -80,7 +80,7 @@ def node_layout(group: dist.ProcessGroup | None, ranks_per_node: int | None) -> 
             )
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank % max(ranks_per_node, 1)))
-    device = control_device(group)
+    device = group_device(group)
     identity = _node_identity() if not stated else rank // max(ranks_per_node, 1)
     row = torch.tensor([ranks_per_node, identity, local_rank], device=device)
     rows = gather_rows(row, group).tolist()  # [M, 3]: the same on every rank, so all decide alike

@@ -21,28 +21,44 @@ from ..kernels.torch_ops import popcount64
 from .wire import FLAG_ZERO_LIST as ZERO_LIST
 from .wire import FLAG_ZERO_PLANE as ZERO_PLANE
 from .wire import FLAG_ZERO_RUNS as ZERO_RUNS
-from .wire import with_extra
+from .wire import EXTRA_SHIFT, with_extra
 
 __all__ = ["ZEROS_SENT", "zero_positions", "plane_from_positions", "zero_runs", "plane_from_runs", "clear_bits",
            "list_positions", "zero_codes", "extra_of", "plane_of"]  # fmt: skip
 
 ZEROS_SENT = ZERO_LIST | ZERO_PLANE | ZERO_RUNS
+POSITION_LIMIT = 1 << 31
+"""Lists and runs hold positions inside a shard as int32: a shard of more entries sends its
+zeros as a plane (exact at any size) instead of positions that would wrap."""
 
 
-def zero_positions(nonzero: torch.Tensor) -> torch.Tensor:
-    """int64 positions (ascending) of the clear bits of ``nonzero`` int64 [S] words."""
-    words = (nonzero != -1).nonzero().view(-1)
+def zero_positions(nonzero: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """int64 positions (ascending) of the clear bits of ``nonzero`` int64 [S] words.
+
+    With ``count`` (known on the host, e.g. from a header), exactly ``count`` positions, -1
+    after the last clear bit: no host synchronisation (``nonzero_static``), where a plain
+    ``nonzero`` must read its size back from the device."""
+    if count is None:
+        words = (nonzero != -1).nonzero().view(-1)
+    else:  # a word of the sentinel (all bits set) stands in for the words past the last one
+        padded = torch.cat([nonzero, nonzero.new_full((1,), -1)])
+        words = torch.nonzero_static(padded != -1, size=min(count, nonzero.numel()), fill_value=nonzero.numel()).view(-1)
+        nonzero = padded
     bits = torch.arange(64, device=nonzero.device)
     clear = ((~nonzero[words]).unsqueeze(1) >> bits) & 1  # [k_words, 64]
-    return (words.unsqueeze(1) * 64 + bits)[clear.bool()]
+    if count is None:
+        return (words.unsqueeze(1) * 64 + bits)[clear.bool()]
+    flat = torch.nonzero_static(clear.view(-1), size=count, fill_value=-1).view(-1)
+    return torch.where(flat >= 0, words[flat >> 6] * 64 + (flat & 63), -1)
 
 
 def plane_from_positions(positions: torch.Tensor, words: int) -> torch.Tensor:
-    """int64 [words] with every bit set but those at ``positions`` (distinct)."""
-    cleared = torch.zeros(words, dtype=torch.int64, device=positions.device)
+    """int64 [words] with every bit set but those at ``positions`` (distinct; -1 entries are padding)."""
+    cleared = torch.zeros(words + 1, dtype=torch.int64, device=positions.device)  # word ``words``: padding's sink
+    positions = torch.where(positions >= 0, positions, 64 * words)
     # Distinct powers of two: their sum per word is their OR.
     cleared.index_add_(0, positions >> 6, torch.ones_like(positions) << (positions & 63))
-    return ~cleared
+    return ~cleared[:words]
 
 
 def _run_starts(nonzero: torch.Tensor) -> torch.Tensor:
@@ -61,9 +77,10 @@ def _run_ends(nonzero: torch.Tensor) -> torch.Tensor:
     return zero & ~(shift_right(zero, 1) | carry)
 
 
-def zero_runs(nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, lengths), int64, of the runs of clear bits of ``nonzero`` int64 [S] words."""
-    starts, ends = zero_positions(~_run_starts(nonzero)), zero_positions(~_run_ends(nonzero))
+def zero_runs(nonzero: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths), int64, of the runs of clear bits of ``nonzero`` int64 [S] words
+    (``count``: their number, known on the host, as :func:`zero_positions` takes it)."""
+    starts, ends = zero_positions(~_run_starts(nonzero), count), zero_positions(~_run_ends(nonzero), count)
     return starts, ends - starts + 1
 
 
@@ -120,13 +137,16 @@ def _list_words(positions: torch.Tensor) -> torch.Tensor:
 
 
 def list_positions(words: torch.Tensor) -> torch.Tensor:
-    as32 = words.view(torch.int32)
-    return as32[as32 >= 0].to(torch.int64)
+    """The positions a zero list holds, int64; the padding (-1) stays -1."""
+    return words.view(torch.int32).to(torch.int64)
 
 
 def zero_codes(planes: torch.Tensor, words: int) -> torch.Tensor:
-    """Per row of ``nonzero`` planes [P, S]: flag and extra length of the cheapest zero encoding."""
+    """Per row of ``nonzero`` planes [P, S]: flag and extra length of the cheapest zero encoding
+    (a plane for shards too long for int32 positions, :data:`POSITION_LIMIT`)."""
     zeros = popcount64(~planes).sum(dim=1)  # [P]
+    if 64 * words > POSITION_LIMIT:
+        return torch.where(zeros > 0, with_extra(ZERO_PLANE, words), 0)
     runs = popcount64(_run_starts(planes)).sum(dim=1)
     list_len = (zeros + 1) // 2
     use_runs = (runs < list_len) & (runs < words)
@@ -137,10 +157,14 @@ def zero_codes(planes: torch.Tensor, words: int) -> torch.Tensor:
 
 
 def extra_of(plane: torch.Tensor, code: int) -> torch.Tensor:
-    """The extra that header ``code`` announces for a shard whose ``nonzero`` plane is ``plane``."""
+    """The extra that header ``code`` announces for a shard whose ``nonzero`` plane is ``plane``;
+    its length, in the code, sizes it on the host (no synchronisation)."""
     if code & ZERO_PLANE:
         return plane
-    return _run_words(*zero_runs(plane)) if code & ZERO_RUNS else _list_words(zero_positions(plane))
+    length = code >> EXTRA_SHIFT
+    if code & ZERO_RUNS:
+        return _run_words(*zero_runs(plane, length))
+    return _list_words(zero_positions(plane, 2 * length))  # k = 2·length or 2·length − 1 zeros: -1 pads
 
 
 def plane_of(code: int, extra: torch.Tensor | None, words: int, device) -> torch.Tensor:
