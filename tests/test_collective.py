@@ -324,3 +324,21 @@ def test_different_sizes_raise_on_every_rank(world_size, sizes):
         return
     for message in messages:
         assert "different entries" in message and f"rank {world_size - 1}: entries={sizes[-1]}" in message, message
+
+
+def test_shards_too_long_for_int32_positions_send_their_zeros_as_planes(monkeypatch):
+    """Zero lists and runs hold int32 positions: past 2^31 entries a shard's zeros go as a plane
+    (the limit lowered here to a few words), and the vote is still exact."""
+    from signmuon.comm_hooks.vote import zero_codes as codes
+    from signmuon.comm_hooks.vote.packing import as_words, pack_nonzero
+
+    x = torch.randn(64 * 63)  # whole words: no padding bits (as_words leaves them clear)
+    x[[3, 100, 2000]] = 0.0  # three zeros: a list (two words) is cheapest
+    plane = as_words(pack_nonzero(x), x.numel())
+    words = plane.numel()
+    listed = int(codes.zero_codes(plane.unsqueeze(0), words)[0])
+    assert listed & codes.ZERO_LIST and torch.equal(codes.plane_of(listed, codes.extra_of(plane, listed), words, "cpu"), plane)
+    monkeypatch.setattr(codes, "POSITION_LIMIT", 64 * words - 1)
+    code = int(codes.zero_codes(plane.unsqueeze(0), words)[0])
+    assert code & codes.ZERO_PLANE and code >> 8 == words
+    assert torch.equal(codes.plane_of(code, codes.extra_of(plane, code), words, "cpu"), plane)

@@ -193,7 +193,27 @@ for dtype, grad_dtype in MOMENTUM_CASES:
             for skip in (False, True):
                 assert _momentum_pack_matches(cuda, dtype, grad_dtype, n, weight, skip), (dtype, grad_dtype, n, weight, skip)
                 fused += 1
-print("checked", checked, "fused", fused)
+# Tensors past 2^31 entries run as several launches (32-bit offsets inside a launch): the same
+# bits from launches of 3 words each, with a short last one and padding words past the data.
+cuda.CHUNK_WORDS = 3
+chunked = 0
+for dtype in DTYPES:
+    for n in (65, 200, 2100):
+        x = _input(n, dtype, seed=n)
+        words = words_for(n) + 1
+        ref = reference.pack(x, words)
+        got = cuda.pack(x, words)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), ("chunked", dtype, n)
+        assert int(got[2]) == ref[2] and bool(got[3]) == ref[3], ("chunked", dtype, n)
+        out = torch.full((n,), 7.0, dtype=dtype)
+        cuda.unpack(ref[0], ref[1], out)
+        assert torch.equal(out.double(), reference.unpack(ref[0], ref[1], n)), ("chunked", dtype, n)
+        chunked += 1
+for dtype, grad_dtype in MOMENTUM_CASES:
+    assert _momentum_pack_matches(cuda, dtype, grad_dtype, 2100, 0.1, False), ("chunked", dtype, grad_dtype)
+    assert _momentum_pack_matches(cuda, dtype, grad_dtype, 1000, 0.1, False, offset=3), ("chunked", dtype, grad_dtype)
+    chunked += 1
+print("checked", checked, "fused", fused, "chunked", chunked)
 """
 
 
@@ -202,7 +222,7 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "checked 24 fused 84" in done.stdout
+    assert f"checked 24 fused 84 chunked {3 * len(DTYPES) + len(MOMENTUM_CASES)}" in done.stdout
 
 
 def test_tie_words_on_random_segments_match_reference():

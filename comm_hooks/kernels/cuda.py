@@ -27,6 +27,17 @@ __all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_words", "NAME"]
 
 NAME = "triton"
 _WORDS_PER_PROGRAM = 16
+CHUNK_WORDS = 1 << 24
+"""Words one launch covers (2^30 entries): the kernels index in 32-bit integers, and past 2^31
+entries an offset would wrap negative, pass ``index < n`` and read or write out of bounds. A
+longer tensor runs as several launches on slices of it, offset on the host in 64 bits (tests
+lower this to check the chunking bit for bit)."""
+
+
+def _chunks(words: int):
+    """(first word, words) of each launch."""
+    for first in range(0, words, CHUNK_WORDS):
+        yield first, min(CHUNK_WORDS, words - first)
 
 
 @triton.jit
@@ -122,10 +133,11 @@ def pack(x: torch.Tensor, words: int):
     nonzero = torch.full((words,), -1, dtype=torch.int64, device=x.device)
     zeros = torch.zeros(1, dtype=torch.int64, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    used = data_words(x.numel())
-    if used:  # words past the data keep their fill: all padding
-        _pack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
-            _unsigned_view(x), positive, nonzero, zeros, bad, x.numel(), used, (1 << layout.bits) - 1,
+    bits = _unsigned_view(x).view(-1)
+    for first, count in _chunks(data_words(x.numel())):  # words past the data keep their fill: all padding
+        n = min(64 * count, x.numel() - 64 * first)
+        _pack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
+            bits[64 * first :], positive[first:], nonzero[first:], zeros, bad, n, count, (1 << layout.bits) - 1,
             layout.abs_mask, layout.exp_mask, WORDS=_WORDS_PER_PROGRAM,
         )  # fmt: skip
     # Padding bits are not zeros: the kernel counts only entries inside the data.
@@ -154,10 +166,11 @@ def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: to
     bad = torch.zeros(1, dtype=torch.int32, device=buf.device)
     math_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32  # torch's lerp arithmetic
     weight_t = _weight_on(weight, math_dtype, buf.device)
-    used = data_words(buf.numel())
-    if used:
-        _momentum_pack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
-            buf, grad, skip.reshape(1).to(torch.int8), weight_t, positive, nonzero, zeros, bad, buf.numel(), used,
+    skip_flag = skip.reshape(1).to(torch.int8)
+    for first, count in _chunks(data_words(buf.numel())):
+        n, at = min(64 * count, buf.numel() - 64 * first), 64 * first
+        _momentum_pack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
+            buf.view(-1)[at:], grad.view(-1)[at:], skip_flag, weight_t, positive[first:], nonzero[first:], zeros, bad, n, count,
             (1 << layout.bits) - 1, layout.abs_mask, layout.exp_mask, INT_TYPE=_INT_TYPES[layout.bits], BF16=buf.dtype == torch.bfloat16,
             SMALL_WEIGHT=abs(float(torch.tensor(weight, dtype=math_dtype))) < 0.5, WORDS=_WORDS_PER_PROGRAM,
         )  # fmt: skip
@@ -169,14 +182,16 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tens
     if n == 0:
         return
     layout = FLOAT_LAYOUTS[out.dtype]
-    used = data_words(n)
-    _unpack_kernel[(triton.cdiv(used, _WORDS_PER_PROGRAM),)](
-        positive, positive if nonzero is None else nonzero, _unsigned_view(out), n, used, layout.plus_one,
-        layout.bits - 1, TERNARY=nonzero is not None, WORDS=_WORDS_PER_PROGRAM,
-    )  # fmt: skip
+    bits = _unsigned_view(out).view(-1)
+    planes = positive if nonzero is None else nonzero
+    for first, count in _chunks(data_words(n)):
+        _unpack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
+            positive[first:], planes[first:], bits[64 * first :], min(64 * count, n - 64 * first), count, layout.plus_one,
+            layout.bits - 1, TERNARY=nonzero is not None, WORDS=_WORDS_PER_PROGRAM,
+        )  # fmt: skip
 
 
-def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense: torch.Tensor | None, tie: torch.Tensor | None):
+def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense, tie: torch.Tensor | None):
     return torch_ops.vote(positive, nonzero, dense, tie)
 
 
