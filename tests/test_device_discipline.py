@@ -1,0 +1,221 @@
+"""Every collective's tensors on its group's device, and at most two host reads per bucket and per
+step, checked on a CPU build (``tests/gpu_world.py``: an accelerator without data, a fake process
+group of 4 ranks, collectives checked, host reads counted)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from signmuon.comm_hooks import NodeLayout, SignVoteState, VoteConfig, node_layout, sign_muon_hook, sign_vote_hook
+from signmuon.comm_hooks.dist import CommStats, group_device
+from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
+from signmuon.optim import DPPFAverager, OuterStep, SignMuon, SignSGDMV, SignumMV
+
+from .gpu_world import gpu_world, on_device
+from .harness import run_distributed
+
+
+class Bucket:
+    """What a DDP hook reads of a ``GradBucket``: the flat buffer and its parameters' views."""
+
+    def __init__(self, params: list[torch.Tensor], index: int = 0, last: bool = True) -> None:
+        self.params, self._index, self._last = params, index, last
+        self.flat = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [g.view_as(p) for g, p in zip(torch.split(self.flat, [p.numel() for p in self.params]), self.params)]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _with_grads(model: nn.Module) -> list[torch.Tensor]:
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _hook_reads(world, state, hook, iterations: int = 4) -> list[int]:
+    """Host reads of each iteration's one bucket (the hook called as DDP calls it)."""
+    params = _with_grads(on_device(mlp, world.device))
+    reads = []
+    for _ in range(iterations):
+        world.reads.reset()
+        hook(state, Bucket(params)).wait()
+        reads.append(world.reads.total)
+    return reads
+
+
+# -- the group's device ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend, expected",
+    [
+        ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"), ("gloo", "cpu"), ("cpu:gloo", "cpu"),
+        ("cpu:gloo,cuda:gloo", "cpu"), ("torchft-nccl", "cuda:3"), ("meta:fake", "meta"),
+    ],
+)  # fmt: skip
+def test_the_group_device_follows_the_backend(monkeypatch, backend, expected):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert group_device(None) == torch.device(expected)
+
+
+# -- every collective on the group's device ----------------------------------------------------
+
+
+def test_the_flat_vote_hook_keeps_its_collectives_on_the_device_and_reads_twice_per_bucket():
+    with gpu_world(4) as world:
+        state = SignVoteState(None, momentum=0.9, start_iter=1)
+        reads = _hook_reads(world, state, sign_vote_hook)
+        assert not world.misplaced, world.misplaced
+    # Warm-up: the settings digest and the iteration agreement; then the first vote still agrees
+    # on the iteration; from then on the two header reads alone.
+    assert reads[2:] == [2, 2], (reads, world.reads)
+    assert reads[0] <= 4 and reads[1] <= 4
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_node_aware_vote_hook_keeps_its_collectives_on_the_device(momentum):
+    with gpu_world(4) as world:
+        state = SignVoteState(None, momentum=momentum, start_iter=1, vote=VoteConfig(hierarchical=True, ranks_per_node=2))
+        _hook_reads(world, state, sign_vote_hook)
+        assert not world.misplaced, world.misplaced
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_the_sign_muon_hook_keeps_its_collectives_on_the_device(hierarchical):
+    with gpu_world(4) as world:
+        model = on_device(mlp, world.device)
+        vote = VoteConfig(hierarchical=True, ranks_per_node=2) if hierarchical else VoteConfig()
+        opt = SignMuon(model.parameters(), lr=0.01, vote=vote)
+        state = opt.comm_state
+        params = _with_grads(model)
+        reads = []
+        for _ in range(4):
+            world.reads.reset()
+            sign_muon_hook(state, Bucket(params)).wait()
+            reads.append(world.reads.total)
+            opt.step()
+        assert not world.misplaced, world.misplaced
+    if not hierarchical:
+        assert max(reads[2:]) <= 2, (reads, world.reads)
+
+
+@pytest.mark.parametrize("optimizer", [SignumMV, SignSGDMV, SignMuon])
+def test_a_step_that_votes_itself_keeps_its_collectives_on_the_device(optimizer):
+    with gpu_world(4) as world:
+        model = on_device(mlp, world.device)
+        kwargs = {} if optimizer is SignSGDMV else {"momentum": 0.9}
+        opt = optimizer(model.parameters(), lr=0.01, vote_in_step=True, **kwargs)
+        for _ in range(3):
+            _with_grads(model)
+            opt.step()
+        assert not world.misplaced, world.misplaced
+
+
+def test_the_fsdp_vote_on_a_rank_without_shards_keeps_its_flags_on_the_device():
+    """A rank that holds no shard of any tensor (rows that do not divide) still sends its flags
+    on the group's device."""
+    with gpu_world(4, rank=1) as world:
+        layout = node_layout(None, 2)
+        voter = ShardVoter(layout, VoteConfig(), CommStats())
+        specs = [ShardSpec((1, 8), key=0)]  # one row: local rank 1 holds nothing
+        voted = voter.vote([None], specs, lambda i, g: g, lambda i, t: t, None, step=0, label="test")
+        assert voted[0].device == world.device
+        assert not world.misplaced, world.misplaced
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [None, *(OuterStep.diloco(pseudo_gradient=rule) for rule in ("mean", "sign_vote", "sign_vote_ef", "scaled_sign"))],
+    ids=["dppf", "mean", "sign_vote", "sign_vote_ef", "scaled_sign"],
+)
+def test_rounds_keep_their_collectives_on_the_device(outer):
+    with gpu_world(4) as world:
+        model = on_device(mlp, world.device)
+        push = 0.1 if outer is None else 0.0
+        averager = DPPFAverager(period=1, pull=0.5, push=push, module=model, outer=outer)
+        for _ in range(3):
+            _with_grads(model)
+            averager.average_parameters(model.parameters())
+        assert not world.misplaced, world.misplaced
+
+
+@pytest.mark.parametrize("rule", ["mean", "sign_vote"])
+def test_the_first_outer_round_checks_its_start_on_the_device(rule):
+    """The check that every rank starts from one consensus (first round, first after a load),
+    called here directly: in this world every rank reads as if it had been checked already."""
+    with gpu_world(4) as world:
+        model = on_device(mlp, world.device)
+        averager = DPPFAverager(period=1, module=model, outer=OuterStep.diloco(pseudo_gradient=rule), track_distances=False)
+        _with_grads(model)
+        averager.average_parameters(model.parameters())
+        averager.consensus.check_same_start(averager.stats)
+        assert not world.misplaced, world.misplaced
+
+
+def test_node_aware_rounds_keep_their_collectives_on_the_device():
+    with gpu_world(4) as world:
+        model = on_device(mlp, world.device)
+        layout = node_layout(None, 2)
+        assert isinstance(layout, NodeLayout)
+        averager = DPPFAverager(period=1, module=model, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), layout=layout)
+        for _ in range(2):
+            _with_grads(model)
+            averager.average_parameters(model.parameters())
+        assert not world.misplaced, world.misplaced
+
+
+def test_the_warm_up_all_reduce_reads_nothing_in_its_callback():
+    with gpu_world(4) as world:
+        state = SignVoteState(None, momentum=0.9, start_iter=10, vote=VoteConfig(nonfinite="skip"))
+        params = _with_grads(on_device(mlp, world.device))
+        sign_vote_hook(state, Bucket(params)).wait()  # settings and iteration agreed
+        world.reads.reset()
+        sign_vote_hook(state, Bucket(params)).wait()
+        callback_reads = {site: n for site, n in world.reads.sites.items() if "allreduce.py" in site}
+        assert world.reads.total <= 2 and not callback_reads, world.reads
+
+
+# -- the group an optimizer votes over ----------------------------------------------------------
+
+
+def _subgroup_vote_worker(rank: int, world_size: int) -> torch.Tensor:
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    param = nn.Parameter(torch.zeros(64))
+    opt = SignSGDMV([param], lr=1.0, vote_in_step=True)  # built for WORLD, as DeepSpeed builds it
+    opt.process_group = pairs[rank // 2]  # then given the data-parallel group, as DeepSpeed's engine does
+    gen = torch.Generator().manual_seed(100 + rank)
+    param.grad = torch.randn(64, generator=gen)
+    opt.step()
+    return param.detach().clone()
+
+
+def test_setting_the_process_group_moves_the_vote_in_step_there():
+    """Ranks {0, 1} and {2, 3} vote apart (each pair's own majority), not over the world."""
+    results = run_distributed(_subgroup_vote_worker, 4)
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(100 + r)) for r in range(4)]
+    for pair in ((0, 1), (2, 3)):
+        signs = sum(torch.sign(grads[r]) for r in pair)
+        agreed = signs != 0  # where the pair ties, a coin decides: compare where it agrees
+        for r in pair:
+            assert torch.equal(results[r][agreed], -torch.sign(signs[agreed]))
+    assert not torch.equal(results[0], results[2])
