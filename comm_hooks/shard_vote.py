@@ -80,16 +80,17 @@ class ShardVoter:
         """Where this step's tensors live: the rail's device, also on a rank that holds no shard."""
         return group_device(self.layout.rail_group)
 
-    def _node_flags(self, shards: Sequence[torch.Tensor | None]) -> list[bool]:
-        """Per tensor: NaN or Inf in the shard of some rank of the node (one tiny all-reduce)."""
+    def _node_flags(self, shards: Sequence[torch.Tensor | None]) -> tuple[list[bool], torch.Tensor]:
+        """Per tensor: NaN or Inf in the shard of some rank of the node (one tiny all-reduce);
+        and whether any tensor holds one, as a 0-d tensor on the device."""
         flags = torch.stack(
-            [nonfinite_flag(s) if s is not None else torch.tensor(False, device=self.device) for s in shards]
+            [nonfinite_flag(s) if s is not None else torch.zeros((), dtype=torch.bool, device=self.device) for s in shards]
         ).to(torch.int32)
         if self.layout.node_group is not None and self.layout.ranks_per_node > 1:
             all_reduce(flags, self.layout.node_group, op="max")
             size = 2 * flags.numel() * flags.element_size()  # as counted before: what a tiny all-reduce sends
             self.stats.add(size, size, inside_node=True)
-        return [bool(f) for f in flags.tolist()]
+        return [bool(f) for f in flags.tolist()], flags.any()  # the one read; and the node's flag, on the device
 
     def vote(
         self,
@@ -112,7 +113,7 @@ class ShardVoter:
             return []
         L, local = self.layout.ranks_per_node, self.layout.local_rank
         device = self.device
-        bad = self._node_flags(shards)
+        bad, any_bad = self._node_flags(shards)
         usable = [s is not None and not b for s, b in zip(shards, bad)]
         dirs = [direction(i, s) if ok else None for i, (s, ok) in enumerate(zip(shards, usable))]
         whole_idx = [i for i, spec in enumerate(specs) if spec.owner is not None]
@@ -155,7 +156,7 @@ class ShardVoter:
         segments = SignSegments(tuple(starts), tuple(keys), tuple(firsts)) if pieces else None
         voted = VoteWork(
             voter, self.layout.rail_group, self.config.rail, step=step, segments=segments, out=voter, stats=self.stats,
-            label=label, tag=step, input_nonfinite=torch.tensor(any(bad), device=device), agree_sizes=False,
+            label=label, tag=step, input_nonfinite=any_bad, agree_sizes=False,
         ).wait()  # fmt: skip
         results: list[torch.Tensor | None] = [None] * len(specs)
         cursor = 0

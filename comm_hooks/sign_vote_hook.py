@@ -21,11 +21,12 @@ every step, and GradScaler's unscaling divides it by the loss scale. Leave clipp
 the bare hook, or use ``signmuon.optim.SignumMV`` / ``SignSGDMV`` / ``SignMuon``, whose steps
 take the sign of what the vote left in ``.grad`` and so ignore any positive rescaling.
 
-Host synchronisations per bucket on a GPU: two. The first reads the headers of the vote's first
-exchange (they decide the NaN/Inf skip and the sizes of the optional zero lists); the second
-reads the voted result's zero count (the headers of the second exchange, or for two ranks the
-local vote's); plus one per iteration, at its first bucket, for the agreement on the iteration
-counter. Signum's finiteness check of the gradient stays on the device.
+Host synchronisations per bucket on a GPU: one in the common case, two at most. The first reads
+the headers of the vote's first exchange (they decide the NaN/Inf skip and the sizes of the
+optional zero lists); only where zeros travel, or ties vote 0 (``tie="exact"``, an even number of
+ranks), a second reads the voted result's zero codes. Until the first vote (and after a load),
+one more per iteration agrees on the iteration counter; later the headers carry it. Signum's
+finiteness check of the gradient stays on the device.
 
 With ``VoteConfig(hierarchical=True)`` the hook votes node-aware (``vote.node_vote``):
 gradients are averaged inside each node in full precision and only the node means' signs are

@@ -14,9 +14,11 @@ from .dist import (
     VoteMismatchError,
     check_same_settings,
     flatten,
+    from_host,
     gather_rows,
     group_device,
     group_size_rank,
+    host_words,
     mean_all_reduce,
     split_like,
 )
@@ -66,17 +68,18 @@ class StepVoter:
 
     def used_on_any_rank(self, params: list[torch.Tensor], step: int, who: str) -> list[torch.Tensor]:
         """``params`` with a gradient on some rank (the same list on every rank), after checking
-        that every rank is at the same ``step``: one all-gather of 1 + P words."""
-        row = torch.tensor([step] + [p.grad is not None for p in params], dtype=torch.int64, device=group_device(self.group))
-        rows = gather_rows(row, self.group, self.stats)  # [M, 1 + P]
-        steps = rows[:, 0].tolist()
+        that every rank is at the same ``step``: one all-gather of 1 + P words, read once."""
+        row = from_host([step] + [p.grad is not None for p in params], torch.int64, group_device(self.group))
+        width = 1 + len(params)
+        words = host_words(gather_rows(row, self.group, self.stats).reshape(-1))  # [M, 1 + P], the one read
+        rows = [words[r * width : (r + 1) * width] for r in range(len(words) // width)]
+        steps = [r[0] for r in rows]
         if len(set(steps)) > 1:
             raise VoteMismatchError(
                 f"{who}.step() entered at different steps ("
                 + "; ".join(f"rank {r}: step {s}" for r, s in enumerate(steps)) + "): resume every rank from the same checkpoint"
             )
-        used = rows[:, 1:].any(dim=0).tolist()
-        return [p for p, u in zip(params, used) if u]
+        return [p for i, p in enumerate(params) if any(r[1 + i] for r in rows)]
 
     def vote(
         self,

@@ -21,8 +21,10 @@ row built from host data and all-gathered reads back as that row on every rank (
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
+import functools
 import os
 import pathlib
 import sys
@@ -42,18 +44,23 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=None)
+def _real(name: str) -> str:
+    return os.path.realpath(name)
+
+
 def _library_site(depth: int = 2) -> str | None:
     """``file:line`` of the library frame that made this call (None when the caller is not library code)."""
     frame = sys._getframe(depth)
-    name = frame.f_code.co_filename
+    name = _real(frame.f_code.co_filename)
     return f"{pathlib.Path(name).relative_to(ROOT)}:{frame.f_lineno}" if name.startswith(LIBRARY) else None
 
 
 def _first_library_site() -> str:
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_filename.startswith(LIBRARY):
-            return f"{pathlib.Path(frame.f_code.co_filename).relative_to(ROOT)}:{frame.f_lineno}"
+        if _real(frame.f_code.co_filename).startswith(LIBRARY):
+            return f"{pathlib.Path(_real(frame.f_code.co_filename)).relative_to(ROOT)}:{frame.f_lineno}"
         frame = frame.f_back
     return "outside the library"
 
@@ -102,7 +109,7 @@ def _reading(name: str, original, world: GpuWorld):
             if name == "item":
                 return _zeros_like_list(self.reshape(()))
             if name == "tolist":
-                known = getattr(self, "host_value", None)
+                known = _known(self)
                 return known if known is not None else _zeros_like_list(self, flag=True)
             if name == "__bool__":
                 return False
@@ -117,6 +124,27 @@ def _reading(name: str, original, world: GpuWorld):
         return original(self, *args, **kwargs)
 
     return read
+
+
+def _known(t: torch.Tensor):
+    """The host values behind a meta tensor, where known: its own, or its base's when it views
+    all of it (a reshape)."""
+    if getattr(t, "host_value", None) is not None:
+        return t.host_value
+    base = t._base
+    if base is not None and getattr(base, "host_value", None) is not None and base.numel() == t.numel():
+        return torch.tensor(base.host_value).reshape(t.shape).tolist()
+    return None
+
+
+def _moving(original):
+    def to(self, *args, **kwargs):
+        moved = original(self, *args, **kwargs)
+        if self.device.type == "cpu" and moved.device.type == "meta":
+            moved.host_value = self.tolist()  # what an all-gather hands back on every rank
+        return moved
+
+    return to
 
 
 def _building(name: str, original, world: GpuWorld):
@@ -146,14 +174,92 @@ def _checked(name: str, original, world: GpuWorld):
         for t in (*_tensors(args), *_tensors(list(kwargs.values()))):
             if t.device != expected:
                 world.misplaced.append(f"{name} at {_first_library_site()}: a tensor on {t.device}, the group's device is {expected}")
-        if name == "all_gather" and getattr(args[1], "host_value", None) is not None:
+        if name == "all_gather" and _known(args[1]) is not None:
             outputs = args[0]
             base = outputs[0]._base
             if base is not None and all(o._base is base for o in outputs):
-                base.host_value = [args[1].host_value] * len(outputs)
+                base.host_value = [_known(args[1])] * len(outputs)
         return original(*args, **kwargs)
 
     return collective
+
+
+def _is_cpu_test(node: ast.AST) -> str | None:
+    """``"=="`` / ``"!="`` where ``node`` tests ``<x>.device.type`` against ``"cpu"`` (alone or in an ``and``)."""
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+        return next((op for op in map(_is_cpu_test, node.values) if op == "=="), None)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.comparators[0], ast.Constant):
+        left = ast.unparse(node.left)
+        if left.endswith(".device.type") and node.comparators[0].value == "cpu":
+            return "==" if isinstance(node.ops[0], ast.Eq) else "!=" if isinstance(node.ops[0], ast.NotEq) else None
+    return None
+
+
+def _lines(statements: list[ast.stmt]) -> set[int]:
+    return {line for st in statements for line in range(st.lineno, st.end_lineno + 1)}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_only_lines(path: str) -> frozenset[int]:
+    """Lines of ``path`` that only CPU tensors reach: under ``if x.device.type == "cpu":``, in the
+    ``else`` of ``!= "cpu"``, and after ``if x.device.type != "cpu": return ...`` in its block."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(pathlib.Path(path).read_text())):
+        for block in (getattr(node, "body", None), getattr(node, "orelse", None)):
+            if not isinstance(block, list):
+                continue
+            for i, st in enumerate(block):
+                if not isinstance(st, ast.If):
+                    continue
+                op = _is_cpu_test(st.test)
+                if op == "==":
+                    lines |= _lines(st.body)
+                elif op == "!=":
+                    lines |= _lines(st.orelse)
+                    if st.body and isinstance(st.body[-1], ast.Return):
+                        lines |= _lines(block[i + 1 :])
+    return frozenset(lines)
+
+
+@contextlib.contextmanager
+def counting_host_reads():
+    """Count host reads by library code in a real (CPU, gloo) run, leaving out those in branches
+    only CPU tensors take (:func:`cpu_only_lines`): what the same run would read on a GPU."""
+    reads = HostReads()
+
+    def on_path(site: str | None) -> bool:
+        if site is None:
+            return False
+        path, line = site.rsplit(":", 1)
+        return int(line) not in cpu_only_lines(str(ROOT / path))
+
+    def reading(name, original):
+        def read(self, *args, **kwargs):
+            site = _library_site()
+            if on_path(site):
+                reads.sites[f"{name} {site}"] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    def building(name, original):
+        def build(data, *args, **kwargs):
+            site = _library_site()
+            if not isinstance(data, torch.Tensor) and kwargs.get("device") is not None and on_path(site):
+                reads.sites[f"torch.{name} {site}"] += 1
+            return original(data, *args, **kwargs)
+
+        return build
+
+    patches = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in READS]
+    patches += [(torch, name, getattr(torch, name)) for name in FACTORIES]
+    for owner, name, original in patches:
+        setattr(owner, name, (reading if owner is torch.Tensor else building)(name, original))
+    try:
+        yield reads
+    finally:
+        for owner, name, original in patches:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -171,6 +277,7 @@ def gpu_world(world_size: int = 4, rank: int = 0):
 
     for name in READS:
         patch(torch.Tensor, name, _reading(name, getattr(torch.Tensor, name), world))
+    patch(torch.Tensor, "to", _moving(torch.Tensor.to))
     for name in FACTORIES:
         patch(torch, name, _building(name, getattr(torch, name), world))
     for name in COLLECTIVES:

@@ -11,7 +11,7 @@ from .consistency import (
 )
 from .groups import NonFiniteError, VoteMismatchError, agree, gather_rows, group_device, group_size_rank
 from .stats import CommStats
-from .tensors import all_reduce, flatten, host_words, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
+from .tensors import all_reduce, flatten, from_host, host_words, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
 
 __all__ = [
     "CommStats",
@@ -24,6 +24,7 @@ __all__ = [
     "check_replicas",
     "check_same_settings",
     "flatten",
+    "from_host",
     "gather_rows",
     "group_device",
     "group_size_rank",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .groups import group_size_rank
 from .stats import CommStats
 
-__all__ = ["all_reduce", "flatten", "host_words", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
+__all__ = ["all_reduce", "flatten", "from_host", "host_words", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -81,6 +81,18 @@ def mean_all_reduce(
     if world_size > 1:
         tensor.div_(world_size)
     return all_reduce(tensor, group, stats, inside_node=inside_node, async_op=async_op)
+
+
+def from_host(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of the host ``values`` on ``device``, without stalling it.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which synchronises the
+    stream; here the values are staged in pinned memory and copied asynchronously (torch's
+    pinned allocator keeps the staging buffer until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 _PINNED = threading.local()  # per thread (DDP's hooks run on the autograd thread): device -> pinned buffer

@@ -33,7 +33,9 @@ rank's values. It is one tiny collective, hence one latency, per call.
 
 Reading the headers is the one host synchronisation per exchange step on a GPU: it decides the
 sizes of the optional extras and the skip, which the host must know to issue the next
-collective. Collectives are issued only by the thread that calls the stage methods, in call
+collective. Step 3's headers are not read where step 1's already tell every rank that no
+reduced part carries an extra (the encoding's ``plain_result``: for the vote, no zeros sent and
+no tie that votes 0), so the common vote reads the host once. Collectives are issued only by the thread that calls the stage methods, in call
 order (gloo pairs collectives by issue order; see ``VoteWork``).
 """
 
@@ -76,7 +78,7 @@ class ExchangeWork:
 
     __slots__ = (
         "_encoding", "_group", "_plan", "_stats", "_nonfinite", "_label", "_tag", "_out", "_device",
-        "_encoded", "_recv", "_work", "_reduced", "_stage", "_skipped",
+        "_encoded", "_recv", "_work", "_reduced", "_stage", "_skipped", "_plain",
     )  # fmt: skip
 
     def __init__(
@@ -107,7 +109,7 @@ class ExchangeWork:
         self._nonfinite, self._label, self._tag, self._out = nonfinite, label, tag & ((1 << 63) - 1), out
         self._device = flat.device
         self._plan = plan = encoding.plan(flat.numel(), world_size, rank, two_phase and world_size > 1)
-        self._stage, self._skipped, self._reduced = 0, False, None
+        self._stage, self._skipped, self._reduced, self._plain = 0, False, None, False
         if stats is not None:
             stats.calls += 1
         start = time.perf_counter()
@@ -227,6 +229,7 @@ class ExchangeWork:
             self._work = dist.all_gather(list(self._recv.unbind(0)), send, group=self._group, async_op=True)
             self._account((M - 1) * send.numel(), (M - 1) * send.numel())
         self._reduced = reduced
+        self._plain = getattr(self._encoding, "plain_result", lambda _: False)(codes)  # alike on every rank
         self._stage = 1
 
     def wait(self) -> torch.Tensor:
@@ -240,8 +243,11 @@ class ExchangeWork:
         elif plan.two_phase:
             start = time.perf_counter()
             self._work.wait()
-            words = host_words(self._recv[:, :GATHER_HEADER_WORDS].reshape(-1))  # host sync: extras' sizes
-            headers = [words[r * GATHER_HEADER_WORDS : (r + 1) * GATHER_HEADER_WORDS] for r in range(plan.world_size)]
+            if self._plain:  # known from step 1's headers on every rank: no read
+                headers = [[0] * GATHER_HEADER_WORDS] * plan.world_size
+            else:
+                words = host_words(self._recv[:, :GATHER_HEADER_WORDS].reshape(-1))  # host sync: extras' sizes
+                headers = [words[r * GATHER_HEADER_WORDS : (r + 1) * GATHER_HEADER_WORDS] for r in range(plan.world_size)]
             codes = [h[0] for h in headers]
             lengths = [extra_words(c) for c in codes]
             extras: list = [None] * plan.world_size
@@ -255,7 +261,10 @@ class ExchangeWork:
         else:
             start = time.perf_counter()
             reduced = self._reduced
-            code, value = host_words(torch.stack([reduced.codes[0], reduced.values[0]]))  # one host sync
+            if self._plain:
+                code, value = 0, 0
+            else:
+                code, value = host_words(torch.stack([reduced.codes[0], reduced.values[0]]))  # one host sync
             extras = [reduced.extra(0, code) if extra_words(code) else None]
             self._encoding.decode(reduced.rows, [code], [value], extras, plan, self._out)
             self._time("unpack_seconds", start)

@@ -104,3 +104,7 @@ class Encoding(Protocol):
         """Reduce the M received rows of ``part`` into one (an ``Encoded`` with one part)."""
 
     def decode(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, plan: Plan, out: torch.Tensor) -> None: ...
+
+    def plain_result(self, codes: list[int]) -> bool:
+        """Whether, given step 1's codes (the same on every rank), every reduced part will carry
+        code 0 and value 0: then the exchange skips reading step 3's headers (a host sync)."""
