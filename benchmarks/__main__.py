@@ -12,6 +12,7 @@ Commands:
   direction-time  SignMuon's pre-vote work per step by path (matrices, the rest) against fwd+bwd
   sweep           learning-rate sweep: methods x lr factors x seeds, the tuned factor per method
   dppf-sweep      DPPF against local SGD: a pull/push grid per averaging period, over seeds
+  round-time      a one-bit round's combination: a scale per block of B entries against one per tensor
   ns-precision    signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost
   plan            an α–β model: bytes and step time per method on a cluster, speed-up, crossover
   zero-structure  where a ReLU model's exact zeros lie, and what coding them by rows and columns costs
@@ -36,6 +37,7 @@ COMMANDS = {
     "ns-time": "ns_time",
     "direction-time": "direction_time",
     "ns-precision": "ns_precision",
+    "round-time": "round_time",
     "sweep": "sweep",
     "dppf-sweep": "dppf_sweep",
     "plan": "plan",

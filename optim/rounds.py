@@ -42,6 +42,7 @@ from .sign_vote import local_tensor
 
 __all__ = [
     "OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "check_shards", "combine_pseudo_gradients", "round_flags",
+    "scale_blocks",
 ]
 
 PSEUDO_GRADIENTS = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
@@ -155,7 +156,7 @@ def combine_pseudo_gradients(
     group: dist.ProcessGroup | None,
     stats: CommStats | None,
     *,
-    segments: list[tuple[int, int]],
+    segments: list[tuple[int, int, int]],
     errors: tuple[torch.Tensor, ...] = (),
     vote: VoteConfig | None = None,
     step: int = 0,
@@ -163,8 +164,9 @@ def combine_pseudo_gradients(
 ) -> torch.Tensor:
     """Combine the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group``.
 
-    ``segments`` are the (start, stop) of each tensor in ``delta``: ``"sign_vote"`` scales each
-    by the workers' mean of its mean magnitude. ``errors`` are the feedback buffers: (worker,
+    ``segments`` are ``(start, stop, width)`` runs of ``delta`` cut into blocks of ``width``
+    entries (:func:`scale_blocks`): ``"sign_vote"`` scales each block by the workers' mean of its
+    mean magnitude, the blocks of a run as the rows of one view (no Python loop per block). ``errors`` are the feedback buffers: (worker,
     server) for ``"scaled_sign"``, (worker,) for ``"sign_vote_ef"``; ``step`` keys the tie coins;
     the scales travel in ``scale_bits`` (``OuterStep.scale_bits``).
     """
@@ -177,15 +179,16 @@ def combine_pseudo_gradients(
         )
     if how == "sign_vote_ef":
         delta.add_(errors[0])
-    pieces = [delta[a:b] for a, b in segments]
-    scales = torch.stack([p.abs().mean() if p.numel() else delta.new_zeros(()) for p in pieces])
+    blocks = [delta[a:b].view(-1, width) for a, b, width in segments]  # [blocks, width] each
+    scales = torch.cat([rows.abs().mean(dim=1) for rows in blocks]) if blocks else delta.new_zeros(0)
+    counts = [rows.shape[0] for rows in blocks]
     if how == "sign_vote_ef":  # what this worker's own scaled signs leave out
-        for (a, b), piece, scale in zip(segments, pieces, scales):
-            torch.sub(piece, piece.sign() * scale, out=errors[0][a:b])
+        for (a, b, width), rows, scale in zip(segments, blocks, scales.split(counts)):
+            torch.sub(rows, rows.sign() * scale.unsqueeze(1), out=errors[0][a:b].view(-1, width))
     scales = _average_scales(scales, scale_bits, group, stats)
     majority_vote(delta, group, vote, step=step, out=delta, stats=stats, label="a round's pseudo-gradient")
-    for piece, scale in zip(pieces, scales):
-        piece.mul_(scale)
+    for rows, scale in zip(blocks, scales.split(counts)):
+        rows.mul_(scale.unsqueeze(1))
     return delta
 
 
@@ -232,7 +235,7 @@ class Consensus:
         layout: NodeLayout | None,
     ) -> None:
         self.outer, self.group, self.layout = outer, group, layout
-        self.sizes = [[t.numel() for t in tensors] for tensors in groups]
+        self.sizes = [tuple(t.numel() for t in tensors) for tensors in groups]
         self.tensors = []
         for tensors in groups:
             lo, hi, _ = _rail_bounds(sum(t.numel() for t in tensors), layout)
@@ -273,7 +276,7 @@ class Consensus:
             lo, hi, _ = _rail_bounds(flat.numel(), self.layout)
             delta = c - flat[lo:hi]
             c.grad = combine_pseudo_gradients(
-                delta, self.outer.pseudo_gradient, group, stats, segments=_segments(self.sizes[i], lo, hi, self.outer.scale_block),
+                delta, self.outer.pseudo_gradient, group, stats, segments=scale_blocks(self.sizes[i], lo, hi, self.outer.scale_block),
                 errors=self.errors[i] if self.errors else (), vote=self.outer.vote, step=self.rounds,
                 scale_bits=self.outer.scale_bits,
             )  # fmt: skip
@@ -317,16 +320,29 @@ class Consensus:
         self.rounds = int(state["rounds"])
 
 
-def _segments(sizes: list[int], lo: int, hi: int, block: int = 0) -> list[tuple[int, int]]:
-    """Each tensor's (start, stop) inside the slice [lo, hi) of the flat group, empty ones left
-    out; with ``block``, each tensor's runs of ``block`` entries (counted from its start)."""
+@functools.lru_cache(maxsize=64)
+def scale_blocks(sizes: tuple[int, ...], lo: int, hi: int, block: int = 0) -> list[tuple[int, int, int]]:
+    """The scale blocks of the slice [lo, hi) of a flat group of tensors of ``sizes``, as
+    ``(start, stop, width)`` runs relative to ``lo``: each run is whole blocks of ``width``
+    entries, in order. ``block`` 0: one block per tensor; else each tensor's runs of ``block``
+    entries counted from its start, so a tensor gives at most three runs (a block cut by ``lo``,
+    its whole blocks, its last short block, or one cut by ``hi``), whatever its size."""
     found, start = [], 0
     for size in sizes:
-        step = block or size
-        for at in range(start, start + size, max(step, 1)):
-            a, b = max(at, lo), min(at + step, start + size, hi)
-            if b > a:
-                found.append((a - lo, b - lo))
+        a, b = max(start, lo), min(start + size, hi)
+        if b > a:
+            width = block or size
+            cut = start + -(-(a - start) // width) * width  # the first block boundary at or after a
+            whole = start + (b - start) // width * width  # the last one at or before b
+            if cut >= b:  # inside one block
+                found.append((a - lo, b - lo, b - a))
+            else:
+                if cut > a:
+                    found.append((a - lo, cut - lo, cut - a))
+                if whole > cut:
+                    found.append((cut - lo, whole - lo, width))
+                if b > whole:
+                    found.append((whole - lo, b - lo, b - whole))
         start += size
     return found
 

@@ -240,3 +240,12 @@ def test_direction_time_splits_signmuons_parameters_by_path():
     assert [r["path"] for r in rows] == ["forward+backward", "matrices", "the rest"]
     assert [(r["params"], r["entries"]) for r in rows] == [(5, 30 + 5 + 5 + 5 + 15), (2, 30 + 15), (3, 5 + 5 + 5)]
     assert all(r["seconds"] > 0 for r in rows)
+
+
+def test_round_time_compares_block_scales_with_tensor_scales():
+    from signmuon.benchmarks.round_time import main
+
+    rows = main(["--entries", "20000", "--tensors", "3", "--block", "64", "--repeats", "1"])
+    assert [r["rule"] for r in rows] == ["sign_vote", "sign_vote_ef"]
+    for row in rows:
+        assert row["per_tensor_s"] > 0 and row["block_s"] > 0 and row["ratio"] == row["block_s"] / row["per_tensor_s"]

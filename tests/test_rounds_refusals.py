@@ -83,3 +83,33 @@ def _one_node_worker(rank, world_size):
 def test_node_aware_rounds_need_two_nodes():
     for error in run_distributed(_one_node_worker, 2):
         assert error is not None and "at least two nodes" in error
+
+
+def _blocks_one_by_one(sizes, lo, hi, block):
+    """(start, stop) of every scale block of the slice [lo, hi), one at a time: the definition."""
+    found, start = [], 0
+    for size in sizes:
+        step = block or size
+        for at in range(start, start + size, max(step, 1)):
+            a, b = max(at, lo), min(at + step, start + size, hi)
+            if b > a:
+                found.append((a - lo, b - lo))
+        start += size
+    return found
+
+
+def test_scale_blocks_are_the_blocks_one_by_one_as_rows_of_a_few_runs():
+    from signmuon.optim.rounds import scale_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        sizes = tuple(int(s) for s in torch.randint(0, 40, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen))
+        total = sum(sizes)
+        lo = int(torch.randint(0, total + 1, (1,), generator=gen))
+        hi = int(torch.randint(lo, total + 1, (1,), generator=gen))
+        block = int(torch.randint(0, 9, (1,), generator=gen))
+        runs = scale_blocks(sizes, lo, hi, block)
+        rows = [(a + k * width, a + (k + 1) * width) for a, b, width in runs for k in range((b - a) // width)]
+        assert all((b - a) % width == 0 for a, b, width in runs)
+        assert rows == _blocks_one_by_one(sizes, lo, hi, block), (sizes, lo, hi, block)
+        assert len(runs) <= 3 * len(sizes)
