@@ -302,3 +302,20 @@ def test_the_vote_hook_reads_the_host_at_most_twice_per_bucket_where_zeros_trave
     for per_iteration in run_distributed(_embedding_reads_worker, 4, momentum):
         for total, buckets, sites in per_iteration[2:]:  # voting, after the first vote
             assert buckets > 1 and total <= 2 * buckets, (total, buckets, sites)
+
+
+def test_the_scaled_sign_allreduce_reads_only_its_agreement_and_headers():
+    """DeepSpeed's compressed_allreduce (and one-bit rounds' "scaled_sign"): the sizes' agreement
+    (callers' tensors are not equal by construction) and the scales, which travel in the headers,
+    read once per exchange step; nothing else."""
+    from signmuon.comm_hooks.vote import error_buffer_sizes, scaled_sign_allreduce
+
+    with gpu_world(4) as world:
+        worker, server = error_buffer_sizes(1000, 4)
+        errors = torch.zeros(worker, device=world.device), torch.zeros(server, device=world.device)
+        tensor = torch.randn(1000, device=world.device)
+        scaled_sign_allreduce(tensor, *errors)  # warm
+        world.reads.reset()
+        scaled_sign_allreduce(tensor, *errors)
+        assert not world.misplaced, world.misplaced
+        assert world.reads.total == 3, world.reads

@@ -11,7 +11,8 @@ from .consistency import (
 )
 from .groups import NonFiniteError, VoteMismatchError, agree, gather_rows, group_device, group_size_rank
 from .stats import CommStats
-from .tensors import all_reduce, flatten, from_host, host_words, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
+from .host import from_host, host_words
+from .tensors import all_reduce, flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
 
 __all__ = [
     "CommStats",

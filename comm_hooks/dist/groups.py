@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .stats import CommStats
+from .host import from_host
 
 __all__ = ["NonFiniteError", "VoteMismatchError", "agree", "gather_rows", "group_device", "group_size_rank"]
 
@@ -98,8 +99,8 @@ def agree(
     world_size, _ = group_size_rank(group)
     if world_size == 1:
         return
-    row = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64, device=group_device(group))
-    rows = gather_rows(row, group, stats).tolist()
+    row = from_host([int(v) for v in fields.values()], torch.int64, group_device(group))
+    rows = gather_rows(row, group, stats).tolist()  # the one host read
     if all(r == rows[0] for r in rows):
         return
     names = list(fields)

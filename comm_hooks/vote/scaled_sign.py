@@ -10,7 +10,7 @@ import torch
 
 import torch.distributed as dist
 
-from ..dist import CommStats, group_size_rank
+from ..dist import CommStats, from_host, group_size_rank
 from ..kernels import kernels_for
 from ..kernels.layout import words_for
 from .encoding import EncodedRows
@@ -24,14 +24,32 @@ def scaled_sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, signs): ``scale = ||x|| / sqrt(n)`` and signs in {-1, +1}, with sign(0) = +1.
 
     ``scale * signs`` has x's RMS (1-bit Adam's compression). Should the norm overflow for
-    finite input (entries near the dtype's maximum), it is taken of ``x / max|x|`` instead.
+    finite input (entries near the dtype's maximum), it is taken of ``x / max|x|`` instead: on
+    the CPU only then; elsewhere always, and selected on the device (no host synchronisation).
     """
     scale = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
-    if not bool(torch.isfinite(scale)) and bool(torch.isfinite(x).all()):
-        peak = x.abs().max()
-        scale = torch.linalg.vector_norm(x / peak) * (peak / math.sqrt(x.numel()))
+    if x.device.type == "cpu":
+        if not bool(torch.isfinite(scale)) and bool(torch.isfinite(x).all()):
+            scale = _rescaled_norm(x)
+    else:
+        scale = torch.where(torch.isfinite(scale) | ~torch.isfinite(x).all(), scale, _rescaled_norm(x))
     signs = x.ge(0).to(x.dtype).mul_(2).sub_(1)
     return scale, signs
+
+
+def _rescaled_norm(x: torch.Tensor) -> torch.Tensor:
+    peak = x.abs().max()
+    return torch.linalg.vector_norm(x / peak) * (peak / math.sqrt(x.numel()))
+
+
+def _word_rows(rows: torch.Tensor, words: int) -> torch.Tensor:
+    """[R, 64·words] view of ``rows`` [R, n] (a zero-padded copy where n is not whole words): one
+    kernel call packs or unpacks every row."""
+    if rows.shape[1] == 64 * words:
+        return rows
+    padded = rows.new_zeros(rows.shape[0], 64 * words)
+    padded[:, : rows.shape[1]] = rows
+    return padded
 
 
 class ScaledSignEncoding:
@@ -57,17 +75,22 @@ class ScaledSignEncoding:
         return Plan(world_size, rank, numel, world_size, chunk, words_for(chunk), True)
 
     def _signs_rows(self, rows: torch.Tensor, words: int) -> torch.Tensor:
-        """int64 [R, words]: bit set where the entry is >= 0 (NaN counts as negative)."""
-        packed = []
-        for row in rows:
-            positive, nonzero, _, _ = self.kernels.pack(row.contiguous(), words)
-            packed.append(positive | ~nonzero)
-        return torch.stack(packed)
+        """int64 [R, words]: bit set where the entry is >= 0 (NaN counts as negative), all rows
+        in one pack (a zero's padding bit packs as set, as the kernels' padding does)."""
+        padded = _word_rows(rows, words)
+        positive, nonzero, _, _ = self.kernels.pack(padded.reshape(-1), rows.shape[0] * words)
+        return (positive | ~nonzero).view(rows.shape[0], words)
 
-    def _unpack(self, row: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(numel, dtype=dtype, device=row.device)
-        self.kernels.unpack(row, None, out)
-        return out
+    def _unpack(self, rows: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """[R, numel] ±1 of packed ``rows`` [R, words], in one unpack."""
+        out = torch.empty(rows.shape[0], 64 * rows.shape[1], dtype=dtype, device=rows.device)
+        self.kernels.unpack(rows.reshape(-1), None, out.view(-1))
+        return out[:, :numel]
+
+    @staticmethod
+    def _scales(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[M] the float64 scales of the header words, in ``dtype`` on ``device`` (no pageable copy)."""
+        return from_host(values, torch.int64, device).view(torch.float64).to(dtype)
 
     def encode(self, flat: torch.Tensor, plan: Plan) -> EncodedRows:
         flat = flat + self.worker_error
@@ -80,8 +103,8 @@ class ScaledSignEncoding:
 
     def reduce(self, rows, codes, values, extras, part, plan) -> EncodedRows:
         dtype = self.server_error.dtype
-        scales = torch.tensor(values, dtype=torch.int64).view(torch.float64).to(dtype=dtype, device=rows.device)
-        signs = torch.stack([self._unpack(row, plan.part_entries, dtype) for row in rows])  # [M, chunk]
+        scales = self._scales(values, dtype, rows.device)
+        signs = self._unpack(rows, plan.part_entries, dtype)  # [M, chunk]
         server = (signs * (scales / plan.world_size).unsqueeze(1)).sum(dim=0)
         server.add_(self.server_error)
         scale, server_signs = scaled_sign(server)
@@ -91,12 +114,9 @@ class ScaledSignEncoding:
         return EncodedRows(self._signs_rows(server.unsqueeze(0), plan.words), zero, value, False, None)
 
     def decode(self, rows, codes, values, extras, plan, out) -> None:
-        flat = out.view(-1)
-        scales = torch.tensor(values, dtype=torch.int64).view(torch.float64).tolist()
-        for r, (row, scale) in enumerate(zip(rows, scales)):
-            part = flat[r * plan.part_entries : (r + 1) * plan.part_entries]
-            self.kernels.unpack(row, None, part)
-            part.mul_(torch.tensor(scale, dtype=flat.dtype))
+        parts = out.view(-1)[: rows.shape[0] * plan.part_entries].view(rows.shape[0], plan.part_entries)
+        parts.copy_(self._unpack(rows, plan.part_entries, out.dtype))
+        parts.mul_(self._scales(values, out.dtype, out.device).unsqueeze(1))
 
 
 def error_buffer_sizes(numel: int, world_size: int) -> tuple[int, int]:
