@@ -19,9 +19,11 @@ import torch
 from signmuon.benchmarks.cli import check_device, command_parser, positive_int
 from signmuon.optim import newton_schulz
 
-# name -> (dtype of the first iterations, dtype of the last `tail` iterations, tail)
+# name -> (precision of the first iterations, of the last `tail` iterations, tail); a precision is
+# a dtype or a name newton_schulz takes ("tfloat32": float32 with TF32 matmuls, for the call)
 PRECISIONS = {
     "float32": (torch.float32, torch.float32, 0),
+    "tfloat32": ("tfloat32", "tfloat32", 0),
     "bfloat16": (torch.bfloat16, torch.bfloat16, 0),
     "bf16+fp32 last 2": (torch.bfloat16, torch.float32, 2),
 }

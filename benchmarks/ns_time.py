@@ -11,9 +11,10 @@ import torch
 from signmuon.benchmarks.cli import command_parser
 from signmuon.benchmarks.launch import median_seconds
 from signmuon.optim import newton_schulz
+from signmuon.optim.sign_muon import NS_DTYPES
 
 
-def measure(size: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
+def measure(size: int, device: torch.device, dtype: torch.dtype | str, steps: int, repeats: int) -> float:
     """Median seconds of one ``newton_schulz`` call on a [size, size] matrix."""
     x = torch.randn(size, size, device=device)
     return median_seconds(lambda: newton_schulz(x, steps, dtype=dtype), repeats, device)
@@ -23,12 +24,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = command_parser("ns-time", __doc__)
     parser.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1024])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s, SignMuon's)")
+    parser.add_argument("--dtype", default="float32", choices=list(NS_DTYPES), help="(default: %(default)s, SignMuon's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+    dtype = args.dtype  # a name newton_schulz takes
     print(f"device={device} dtype={dtype} ns_steps={args.steps} torch={torch.__version__}")
     print(f"{'size':>6} {'ms':>9} {'TFLOP/s':>8}")
     rows = []

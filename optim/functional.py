@@ -81,7 +81,7 @@ def orthogonalize(
     direction: torch.Tensor,
     ns_steps: int = 5,
     ns_coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
-    ns_dtype: torch.dtype = torch.float32,
+    ns_dtype: torch.dtype | str = torch.float32,
 ) -> torch.Tensor:
     """Newton–Schulz on the matrix view of ``direction`` (conv kernels as (out, in·kh·kw)),
     shaped back like ``direction``."""
@@ -94,7 +94,7 @@ def muon_direction(
     beta: float,
     *,
     nesterov: bool = True,
-    ns: tuple[int, tuple[float, float, float], torch.dtype] = (5, MUON_COEFFICIENTS, torch.float32),
+    ns: tuple[int, tuple[float, float, float], torch.dtype | str] = (5, MUON_COEFFICIENTS, torch.float32),
     **signum_options,
 ) -> torch.Tensor:
     """A worker's Muon direction: :func:`orthogonalize` (``ns``: its steps, coefficients and

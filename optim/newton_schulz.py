@@ -6,7 +6,14 @@ import contextlib
 
 import torch
 
-__all__ = ["newton_schulz", "MUON_COEFFICIENTS", "as_matrix"]
+__all__ = ["newton_schulz", "MUON_COEFFICIENTS", "NS_PRECISIONS", "as_matrix"]
+
+NS_PRECISIONS = {
+    "float32": (torch.float32, "highest"),
+    "tfloat32": (torch.float32, "high"),
+    "bfloat16": (torch.bfloat16, None),
+}
+"""Newton–Schulz's compute precisions by name: (dtype, float32 matmul precision for the call)."""
 
 # Keller Jordan's quintic: steepest growth of small singular values at the price of landing
 # them in a band around 1 instead of on 1, which is all the update direction needs.
@@ -25,7 +32,7 @@ def newton_schulz(
     steps: int = 5,
     coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
     eps: float = 1e-7,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor U·Vᵀ of ``X = U·S·Vᵀ`` (batched over leading dims).
 
@@ -42,22 +49,35 @@ def newton_schulz(
     float64 reference keeps, float32 almost none (``signmuon-bench ns-precision`` measures it;
     the figures are in ``benchmarks/results/``). So the default is float32 on every device, with full-precision matmuls
     (TF32, which ``allow_tf32`` / ``set_float32_matmul_precision("high")`` would switch on,
-    rounds like bfloat16 and is switched off for the call). For Muon, where a rounding error
-    is a small error, bfloat16 is the usual faster choice.
+    rounds with bfloat16's 8-bit mantissa: a global TF32 setting is switched off for the call).
+    ``"tfloat32"`` asks for TF32 matmuls for the call (much faster on Ampere and later GPUs, at
+    bfloat16's rounding of the products); for Muon, where a rounding error is a small error,
+    bfloat16 is the usual faster choice.
+
+    Only the call changes the float32 matmul precision, and only where it differs from the
+    process's: it is restored when the call returns (torch has no per-thread setting, so
+    float32 matmuls another thread runs meanwhile share it).
 
     Args:
         X: [..., m, n] matrix or batch of matrices.
         steps: iterations, at least 1.
         coefficients: (a, b, c) of the quintic.
         eps: added to the norm, so that a zero input gives zeros and not NaN.
-        dtype: compute dtype (default float32). The result is returned in ``X``'s dtype.
+        dtype: compute dtype, or a name of :data:`NS_PRECISIONS` (``"tfloat32"``: float32 with TF32
+            matmuls); default ``"float32"``. The result is returned in ``X``'s dtype.
     """
     if X.dim() < 2:
         raise ValueError(f"X must have at least 2 dimensions, got shape {tuple(X.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an int >= 1")
-    dtype = torch.float32 if dtype is None else dtype
-    with _full_precision_matmuls(dtype == torch.float32):
+    if isinstance(dtype, str):
+        if dtype not in NS_PRECISIONS:
+            raise ValueError(f"dtype={dtype!r} names no Newton–Schulz precision; use one of {tuple(NS_PRECISIONS)}")
+        dtype, precision = NS_PRECISIONS[dtype]
+    else:
+        dtype = torch.float32 if dtype is None else dtype
+        precision = "highest" if dtype == torch.float32 else None
+    with _matmul_precision(precision):
         a, b, c = coefficients
         Y = X.to(dtype)
         tall = X.size(-2) > X.size(-1)
@@ -74,13 +94,13 @@ def newton_schulz(
 
 
 @contextlib.contextmanager
-def _full_precision_matmuls(enabled: bool):
-    """float32 matmuls in full precision for the duration (not TF32 / bf16 passes)."""
+def _matmul_precision(precision: str | None):
+    """float32 matmuls at ``precision`` for the duration (None: as they are), restored after."""
     previous = torch.get_float32_matmul_precision()
-    if not enabled or previous == "highest":
+    if precision is None or previous == precision:
         yield
         return
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(precision)
     try:
         yield
     finally:

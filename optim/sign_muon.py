@@ -30,13 +30,13 @@ from signmuon.comm_hooks import VoteConfig
 from signmuon.comm_hooks.dist import NonFiniteError
 
 from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction, step_size
-from .newton_schulz import MUON_COEFFICIENTS
+from .newton_schulz import MUON_COEFFICIENTS, NS_PRECISIONS
 from .sign_vote import SignVoteOptimizer, state_dtype
 
 __all__ = ["NON_MATRIX_PATHS", "NS_DTYPES", "SignMuon", "parameter_path"]
 
 NON_MATRIX_PATHS = ("signum", "adamw")
-NS_DTYPES = ("float32", "bfloat16")
+NS_DTYPES = tuple(NS_PRECISIONS)
 
 
 def parameter_path(param: torch.Tensor, use_muon: bool | None, non_matrix: str) -> str:
@@ -76,9 +76,10 @@ class SignMuon(SignVoteOptimizer):
             entry by its full size; :func:`lr_from_muon` gives the global ``lr`` that keeps
             Muon's quality). Default ``"global"``, which trained best tuned (the sweeps are in
             ``benchmarks/results/``). Non-matrix parameters move by ``lr`` (or AdamW's step).
-        ns_dtype: ``"float32"`` (default) or ``"bfloat16"``, Newton–Schulz's compute dtype.
-            bfloat16 is faster on GPUs but flips voted signs of low-rank momentum (see
-            :func:`newton_schulz`).
+        ns_dtype: ``"float32"`` (default), ``"tfloat32"`` (float32 with TF32 matmuls, for the
+            call) or ``"bfloat16"``, Newton–Schulz's compute precision. The faster two are
+            faster on GPUs but flip more voted signs of low-rank momentum (see
+            :func:`newton_schulz`; ``signmuon-bench ns-precision`` measures both).
         non_matrix: ``"signum"`` (vote the sign of the local momentum, one bit on the wire) or
             ``"adamw"`` (AdamW on the mean gradient, a full-precision all-reduce).
         adamw_lr: learning rate of the ``"adamw"`` path (None: ``lr``).
@@ -179,7 +180,7 @@ class SignMuon(SignVoteOptimizer):
 
     def _newton_schulz(self, group: dict[str, Any], fn, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        result = fn(tensor, group["ns_steps"], group["ns_coefficients"], getattr(torch, group["ns_dtype"]))
+        result = fn(tensor, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
         self.ns_seconds += time.perf_counter() - start
         return result
 

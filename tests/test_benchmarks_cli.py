@@ -97,7 +97,8 @@ def test_sweep_runs_each_scale_and_seed(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
-                                     "direction-time", "ns-precision", "sweep", "dppf-sweep", "zero-structure", "lost-node"])  # fmt: skip
+                                     "direction-time", "ns-precision", "sweep", "dppf-sweep", "zero-structure", "lost-node",
+                                     "round-time"])  # fmt: skip
 def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     from signmuon.benchmarks.__main__ import main
 

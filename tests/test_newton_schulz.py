@@ -82,3 +82,40 @@ def test_bad_steps(steps):
 def test_vector_rejected():
     with pytest.raises(ValueError, match="2 dimensions"):
         newton_schulz(torch.randn(4))
+
+
+def test_the_precision_is_the_calls_and_restored(monkeypatch):
+    """float32 switches a global TF32 setting off for the call, "tfloat32" switches TF32 on for
+    the call; either way the process's setting is back when the call returns."""
+    seen = []
+    real = torch.Tensor.__matmul__
+
+    def spy(a, b):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    x = torch.randn(8, 6)
+    for setting, dtype, during in [("high", None, "highest"), ("highest", "tfloat32", "high"), ("high", "float32", "highest"),
+                                    ("medium", "bfloat16", "medium")]:  # fmt: skip
+        torch.set_float32_matmul_precision(setting)
+        try:
+            seen.clear()
+            newton_schulz(x, dtype=dtype)
+            assert seen and set(seen) == {during}, (setting, dtype, seen)
+            assert torch.get_float32_matmul_precision() == setting
+        finally:
+            torch.set_float32_matmul_precision("highest")
+    with pytest.raises(ValueError, match="tfloat32"):
+        newton_schulz(x, dtype="tf32")
+
+
+def test_sign_muon_takes_tfloat32():
+    from signmuon.optim import SignMuon
+
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    opt = SignMuon([w], lr=0.1, ns_dtype="tfloat32")
+    w.grad = torch.randn(8, 6)
+    opt.step()
+    with pytest.raises(ValueError, match="ns_dtype"):
+        SignMuon([w], lr=0.1, ns_dtype="float16")
