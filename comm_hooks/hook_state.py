@@ -162,13 +162,13 @@ class VoteHookState:
             self.settings_checked = True
         if self.bucket_calls == 0:
             self.node_layout()
-        if self.bucket_calls == 0 and (not self.headers_agree or self.check_replicas_every):
-            agree(
-                {"iteration": self.iter, "bucket": bucket.index(), "entries": flat.numel()},
-                self.process_group,
-                what=f"{type(self).__name__}'s first bucket of an iteration",
-                stats=self.stats,
-            )
+            if not self.headers_agree or self.check_replicas_every:  # the same decision on every rank
+                agree(
+                    {"iteration": self.iter, "bucket": bucket.index(), "entries": flat.numel()},
+                    self.process_group,
+                    what=f"{type(self).__name__}'s first bucket of an iteration",
+                    stats=self.stats,
+                )
             if self.nonfinite == "raise":
                 self.raise_queued = _raise_after_backward(self)
         self.bucket_calls += 1
