@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import compressed_allreduce_reference, run_distributed
+from tests.harness import capture, compressed_allreduce_reference, run_distributed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
 from signmuon.optim import SignMuon
 
@@ -141,6 +141,11 @@ def test_bf16_votes_bf16_gradients_and_updates_float32_master_weights():
     assert all(torch.equal(a, b) for a, b in zip(results[0][0]["history"][-1], results[1][0]["history"][-1]))
 
 
+def _load_worker(rank, world_size, load):
+    engine, _, _, _ = initialize(model=_model(), config=_config(), overlap_backward=True)
+    return capture(lambda: engine.load_checkpoint(load, tag="t"))
+
+
 def test_checkpoint_resume_and_scheduler(tmp_path):
     whole = run_distributed(_deepspeed_run, 2, 1, 4, 0, None, None, True, timeout=600)
     run_distributed(_deepspeed_run, 2, 1, 2, 0, None, str(tmp_path), True, timeout=600)
@@ -148,6 +153,15 @@ def test_checkpoint_resume_and_scheduler(tmp_path):
     for r in range(2):
         for a, b in zip(whole[r]["history"][-1], resumed[r]["history"][-1]):
             assert torch.equal(a, b), "resumed run differs (momentum of some rank lost?)"
+    # Each rank's optimizer state in a file of its own; rank 0's DeepSpeed file holds no other rank's.
+    assert sorted(p.name for p in (tmp_path / "t").glob("signmuon_optimizer_rank*.pt")) == [
+        "signmuon_optimizer_rank00000.pt", "signmuon_optimizer_rank00001.pt"]
+    for path in (tmp_path / "t").glob("*model_states.pt"):
+        optimizer_state = torch.load(path, weights_only=False)["optimizer"]
+        assert "rank_states" not in optimizer_state["signmuon"]
+    (tmp_path / "t" / "signmuon_optimizer_rank00001.pt").unlink()
+    missing = run_distributed(_load_worker, 2, str(tmp_path), timeout=600)
+    assert missing[0] is None and missing[1].startswith("FileNotFoundError") and "rank00001" in missing[1]
     # DeepSpeed's WarmupLR drives our optimizer's lr (and is checkpointed with it).
     assert whole[0]["scheduler"] == "WarmupLR"
     assert whole[0]["lrs"][0] < whole[0]["lrs"][2] == pytest.approx(0.01)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .stats import CommStats
 from .host import from_host
 
-__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "gather_rows", "group_device", "group_size_rank"]
+__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "barrier", "gather_rows", "group_device", "group_size_rank"]
 
 
 class NonFiniteError(RuntimeError):
@@ -63,6 +63,12 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, kind, None)  # torch.cuda, torch.xpu: the current device's index
     return torch.device(kind, module.current_device()) if hasattr(module, "current_device") else torch.device(kind)
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` has come here (nothing for a group of one)."""
+    if group_size_rank(group)[0] > 1:
+        dist.barrier(group=group)
 
 
 def gather_rows(

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import json
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from signmuon.comm_hooks import VoteConfig
+from signmuon.comm_hooks.dist import barrier
 from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 
-__all__ = ["OPTIMIZER_TYPES", "check_supported", "initialize"]
+__all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize"]
+
+RANK_STATE_FILE = "signmuon_optimizer_rank{rank:05d}.pt"
+"""Each rank's optimizer state (its momentum), beside DeepSpeed's files in the tag's folder."""
 
 OPTIMIZER_TYPES = SIGN_OPTIMIZERS
 # Set by the integration itself, so not settable from the config.
@@ -154,11 +161,9 @@ def initialize(
     if bf16:
         model.to(torch.bfloat16)  # what DeepSpeed's bf16 does to the module; master weights stay float32 below
     trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
-    # checkpoint_all_ranks: DeepSpeed writes the optimizer state from rank 0 only, but
-    # the momentum is each worker's own.
     opt = sign_optimizer_from_spec(
         {"type": name, "params": spec.get("params", {})}, trainable, reserved=_RESERVED,
-        vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=True, master_weights=bf16,
+        vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=False, master_weights=bf16,
     )  # fmt: skip
     config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote", "bf16")}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
@@ -166,6 +171,56 @@ def initialize(
     )
     engine.enable_backward_allreduce = False  # the vote in opt.step() is the gradient reduction
     opt.process_group = engine.data_parallel_group  # vote among data-parallel replicas only
+    _checkpoint_per_rank(engine, opt)
     if overlap_backward:
         opt.register_backward_reducer(sync=engine.is_gradient_accumulation_boundary)
     return engine, ds_optimizer, loader, scheduler
+
+
+def _checkpoint_per_rank(engine, opt) -> None:
+    """Make the engine's ``save_checkpoint`` / ``load_checkpoint`` keep each rank's optimizer
+    state in a file of its own (:data:`RANK_STATE_FILE`, in the tag's folder).
+
+    DeepSpeed writes the optimizer state from data-parallel rank 0 only, but the momentum is
+    each worker's own. Gathering every rank's state into rank 0's file (``checkpoint_all_ranks``)
+    put M copies of the momentum on every GPU at every save; here no rank holds another's.
+    DeepSpeed's own optimizer entry (rank 0's state) is left unread on load.
+    """
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+    save_signature, load_signature = inspect.signature(save), inspect.signature(load)
+
+    def rank_file(folder: str) -> str:
+        return os.path.join(folder, RANK_STATE_FILE.format(rank=dist.get_rank() if dist.is_initialized() else 0))
+
+    @functools.wraps(save)
+    def save_checkpoint(*args, **kwargs):
+        bound = save_signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["tag"] is None:  # DeepSpeed's default tag, fixed before it saves
+            bound.arguments["tag"] = f"global_step{engine.global_steps}"
+        result = save(*bound.args, **bound.kwargs)
+        folder = os.path.join(bound.arguments["save_dir"], str(bound.arguments["tag"]))
+        os.makedirs(folder, exist_ok=True)
+        torch.save(opt.state_dict(), rank_file(folder))
+        barrier()  # every rank's file is written before any rank goes on
+        return result
+
+    @functools.wraps(load)
+    def load_checkpoint(*args, **kwargs):
+        bound = load_signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        with_optimizer = bound.arguments["load_optimizer_states"] and not bound.arguments["load_module_only"]
+        bound.arguments["load_optimizer_states"] = False
+        path, client_state = load(*bound.args, **bound.kwargs)
+        if path is not None and with_optimizer:
+            own = rank_file(os.path.dirname(path))
+            if not os.path.exists(own):
+                raise FileNotFoundError(
+                    f"{own} is missing: the checkpoint holds no optimizer state of this rank (each rank writes its "
+                    "own; was it saved by every rank, and onto storage every rank sees?)"
+                )
+            opt.load_state_dict(torch.load(own, map_location="cpu", weights_only=False))
+        return path, client_state
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
