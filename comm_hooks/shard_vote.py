@@ -8,13 +8,15 @@ gather for those that need the whole tensor (SignMuon's Newton–Schulz). Per st
 
 1. per tensor, a node-wide flag: NaN or Inf in some rank's shard of its mean;
 2. ``direction(i, shard)``: the elementwise half on this rank's shard (the momentum lives there);
-3. tensors that need the whole: their direction shards are gathered inside the node and the
-   tensor's owner (a local rank, the same on every node) computes ``whole(i, tensor)``;
+3. tensors that need the whole: each rank sends its direction shard of a tensor to the tensor's
+   owner (a local rank, the same on every node) alone, in one all-to-all inside the node, and
+   the owner computes ``whole(i, tensor)``: a rank receives the float32 shards of the matrices
+   it owns, about 1/L of them, never a copy of every matrix;
 4. one vote per rank on its rail (the ranks of its local index, one per node): its shards of
    the elementwise tensors and the whole tensors it owns, with the coins those entries draw
    voted unsharded;
-5. owned results, after ``finish(i, voted)`` (the post-vote polar step), are gathered inside
-   the node and every rank keeps its rows.
+5. owned results, after ``finish(i, voted)`` (the post-vote polar step), go back in one
+   all-to-all inside the node, each rank receiving only its rows.
 
 The voters are the nodes, as in the node-aware DDP vote (``VoteConfig(hierarchical=True)``),
 which computes the same thing from unsharded node means.
@@ -28,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .dist import CommStats, all_reduce, group_device, mean_all_reduce, nonfinite_flag
+from .dist import CommStats, all_reduce, all_to_all, group_device, mean_all_reduce, nonfinite_flag
 from .kernels.layout import SignSegments
-from .vote import NodeLayout, VoteConfig, VoteWork, gather_in_node
+from .vote import NodeLayout, VoteConfig, VoteWork
 
 __all__ = ["ShardSpec", "ShardVoter"]
 
@@ -120,21 +122,23 @@ class ShardVoter:
         mine = [i for i in whole_idx if specs[i].owner == local]
         owned = {}
         if whole_idx:
-            # Each whole tensor's direction shards, padded to c rows, gathered in the node.
-            sizes = [specs[i].rows_per_rank(L) * specs[i].row_numel for i in whole_idx]
-            piece = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            # Each whole tensor's direction shard, padded to c rows, to its owner alone.
+            size = {i: specs[i].rows_per_rank(L) * specs[i].row_numel for i in whole_idx}
+            by_owner = [[i for i in whole_idx if specs[i].owner == r] for r in range(L)]
+            send = torch.zeros(sum(size.values()), dtype=torch.float32, device=device)
             offset = 0
-            for i, size in zip(whole_idx, sizes):
+            for i in (i for r in range(L) for i in by_owner[r]):
                 if dirs[i] is not None:
-                    piece[offset : offset + dirs[i].numel()] = dirs[i].reshape(-1)
-                offset += size
-            gathered = gather_in_node(piece, self.layout, self.stats)  # [L, sum(sizes)]
+                    send[offset : offset + dirs[i].numel()] = dirs[i].reshape(-1)
+                offset += size[i]
+            splits = [sum(size[i] for i in by_owner[r]) for r in range(L)]
+            received = self._in_node(send, splits, [splits[local]] * L).view(L, splits[local])  # [source, mine]
             offset = 0
-            for i, size in zip(whole_idx, sizes):
-                if specs[i].owner == local and usable[i]:
-                    rows = gathered[:, offset : offset + size].reshape(-1)[: math.prod(specs[i].shape)]
+            for i in mine:
+                if usable[i]:
+                    rows = received[:, offset : offset + size[i]].reshape(-1)[: math.prod(specs[i].shape)]
                     owned[i] = whole(i, rows.view(specs[i].shape))
-                offset += size
+                offset += size[i]
         # This rank's rail vote: its shards of elementwise tensors, then the whole tensors it owns.
         pieces, keys, firsts = [], [], []
         for i, spec in enumerate(specs):
@@ -170,28 +174,43 @@ class ShardVoter:
             self._scatter_owned(voted[cursor:], specs, whole_idx, finish, results, device)
         return results  # type: ignore[return-value]
 
+    def _in_node(self, send: torch.Tensor, send_splits: list[int], receive_splits: list[int]) -> torch.Tensor:
+        if self.layout.node_group is None or self.layout.ranks_per_node == 1:
+            return send
+        return all_to_all(send, send_splits, receive_splits, self.layout.node_group, self.stats, inside_node=True)
+
     def _scatter_owned(self, voted, specs, whole_idx, finish, results, device) -> None:
-        """Every owner's voted whole tensors (after ``finish``) gathered in the node; each rank keeps its rows."""
+        """Every owner's voted whole tensors (after ``finish``) back to the ranks that hold their
+        rows, each rank receiving its rows alone (padded to c rows): one all-to-all in the node."""
         L, local = self.layout.ranks_per_node, self.layout.local_rank
-        shares = [sum(math.prod(specs[i].shape) for i in whole_idx if specs[i].owner == r) for r in range(L)]
+        size = {i: specs[i].rows_per_rank(L) * specs[i].row_numel for i in whole_idx}
+        by_owner = [[i for i in whole_idx if specs[i].owner == r] for r in range(L)]
         dtype = torch.int8 if finish is None else torch.float32  # signs travel as one byte each
-        piece = torch.zeros(max(shares), dtype=dtype, device=device)
-        cursor = 0
-        for i in whole_idx:
-            if specs[i].owner == local:
-                n = math.prod(specs[i].shape)
-                done = voted[cursor : cursor + n].view(specs[i].shape)
-                piece[cursor : cursor + n] = (finish(i, done) if finish is not None else done).reshape(-1)
-                cursor += n
-        gathered = gather_in_node(piece, self.layout, self.stats)  # [L, max share]
-        offsets = [0] * L
-        for i in whole_idx:
-            spec, r = specs[i], specs[i].owner
+        mine = sum(size[i] for i in by_owner[local])
+        send = torch.zeros(L * mine, dtype=dtype, device=device)  # [rank, my tensors' rows for it]
+        cursor, offset = 0, 0
+        for i in by_owner[local]:
+            spec = specs[i]
             n = math.prod(spec.shape)
-            tensor = gathered[r, offsets[r] : offsets[r] + n].view(spec.shape)
-            lo, hi = spec.rows(L, local)
-            results[i] = tensor[lo:hi].float()
-            offsets[r] += n
+            done = voted[cursor : cursor + n].view(spec.shape)
+            done = finish(i, done) if finish is not None else done
+            for s in range(L):
+                lo, hi = spec.rows(L, s)
+                start = s * mine + offset
+                send[start : start + (hi - lo) * spec.row_numel] = done[lo:hi].reshape(-1)
+            cursor += n
+            offset += size[i]
+        splits = [sum(size[i] for i in by_owner[r]) for r in range(L)]
+        received = self._in_node(send, [mine] * L, splits)
+        starts = [sum(splits[:r]) for r in range(L)]
+        for r in range(L):
+            offset = starts[r]
+            for i in by_owner[r]:
+                spec = specs[i]
+                lo, hi = spec.rows(L, local)
+                rows = received[offset : offset + (hi - lo) * spec.row_numel]
+                results[i] = rows.view((hi - lo, *spec.shape[1:])).float()
+                offset += size[i]
 
     def mean(self, shards: Sequence[torch.Tensor | None], shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """The mean over every rank of each tensor's node-mean shard (None: zeros): one

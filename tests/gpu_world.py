@@ -97,6 +97,8 @@ class GpuWorld:
     reads: HostReads
     misplaced: list[str]
     """One line per collective that got a tensor off its group's device."""
+    collectives: list[tuple[str, list[torch.Tensor]]] = field(default_factory=list)
+    """Every collective issued: its name and tensors (shapes and dtypes; no data)."""
 
 
 def _reading(name: str, original, world: GpuWorld):
@@ -171,6 +173,7 @@ def _tensors(value):
 def _checked(name: str, original, world: GpuWorld):
     def collective(*args, **kwargs):
         expected = world.device  # every group of this world is a "meta:fake" one
+        world.collectives.append((name, [*_tensors(args), *_tensors(list(kwargs.values()))]))
         for t in (*_tensors(args), *_tensors(list(kwargs.values()))):
             if t.device != expected:
                 world.misplaced.append(f"{name} at {_first_library_site()}: a tensor on {t.device}, the group's device is {expected}")

@@ -319,3 +319,32 @@ def test_the_scaled_sign_allreduce_reads_only_its_agreement_and_headers():
         scaled_sign_allreduce(tensor, *errors)
         assert not world.misplaced, world.misplaced
         assert world.reads.total == 3, world.reads
+
+
+def test_fsdp_newton_schulz_sends_each_matrix_to_its_owner_alone():
+    """A rank receives the float32 direction shards of the matrices it owns (1/L of them here),
+    not every matrix; and gets back only its rows of the voted results."""
+    L, matrices = 2, 8
+    with gpu_world(4, rank=1) as world:
+        voter = ShardVoter(node_layout(None, L), VoteConfig(), CommStats())
+        specs = [ShardSpec((64, 32), key=k, owner=k % L) for k in range(matrices)]
+        shards = [torch.randn(64 // L, 32, device=world.device) for _ in specs]
+        world.collectives.clear()
+        voted = voter.vote(shards, specs, lambda i, g: g, lambda i, t: t, lambda i, t: t, step=0, label="test")
+        assert [tuple(v.shape) for v in voted] == [(32, 32)] * matrices
+        assert not world.misplaced, world.misplaced
+    float_in = [t for name, ts in world.collectives if name == "all_to_all_single" for t in ts[:1] if t.dtype == torch.float32]
+    entries = matrices * 64 * 32
+    forward, back = float_in  # the directions to their owners, the polar results back
+    assert forward.numel() * 4 <= (1 / L + 0.05) * 4 * entries, (forward.numel(), entries)
+    assert back.numel() == entries // L  # this rank's rows of every matrix
+
+
+def test_fsdp_owned_matrices_whose_rows_do_not_divide_come_back_as_this_ranks_rows():
+    with gpu_world(4, rank=1) as world:  # local rank 1 of 2
+        voter = ShardVoter(node_layout(None, 2), VoteConfig(), CommStats())
+        specs = [ShardSpec((3, 16), key=0, owner=0), ShardSpec((1, 16), key=1, owner=1), ShardSpec((5, 4), key=2, owner=1)]
+        shards = [torch.randn(1, 16, device=world.device), None, torch.randn(2, 4, device=world.device)]
+        voted = voter.vote(shards, specs, lambda i, g: g, lambda i, t: t, lambda i, t: t, step=0, label="test")
+        assert [tuple(v.shape) for v in voted] == [(1, 16), (0, 16), (2, 4)]
+        assert not world.misplaced, world.misplaced

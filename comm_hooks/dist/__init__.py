@@ -12,7 +12,7 @@ from .consistency import (
 from .groups import NonFiniteError, VoteMismatchError, agree, barrier, gather_rows, group_device, group_size_rank
 from .stats import CommStats
 from .host import from_host, host_words
-from .tensors import all_reduce, flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
+from .tensors import all_reduce, all_to_all, flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
 
 __all__ = [
     "CommStats",
@@ -22,6 +22,7 @@ __all__ = [
     "VoteMismatchError",
     "agree",
     "all_reduce",
+    "all_to_all",
     "barrier",
     "check_replicas",
     "check_same_settings",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .groups import group_size_rank
 from .stats import CommStats
 
-__all__ = ["all_reduce", "flatten", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
+__all__ = ["all_reduce", "all_to_all", "flatten", "mean_all_reduce", "nonfinite_flag", "ring_bytes", "split_like", "unflatten_into"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -59,6 +59,31 @@ def all_reduce(
         return None if async_op else tensor
     work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
     return work if async_op else tensor
+
+
+def all_to_all(
+    send: torch.Tensor,
+    send_splits: Sequence[int],
+    receive_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    *,
+    inside_node: bool = False,
+) -> torch.Tensor:
+    """Rank r gets ``send``'s r-th piece (``send_splits[r]`` entries, 1-D) from every rank: the
+    pieces received, one after another by source rank (``receive_splits[s]`` entries from rank
+    s). What crosses to other ranks is added to ``stats`` (as bytes inside a node where ``inside_node``)."""
+    world_size, rank = group_size_rank(group)
+    if world_size == 1:
+        return send.clone()
+    receive = send.new_empty(sum(receive_splits))
+    dist.all_to_all_single(receive, send, output_split_sizes=list(receive_splits), input_split_sizes=list(send_splits), group=group)
+    if stats is not None:
+        size = send.element_size()
+        sent = sum(n for r, n in enumerate(send_splits) if r != rank) * size
+        received = sum(n for r, n in enumerate(receive_splits) if r != rank) * size
+        stats.add(sent, received, inside_node=inside_node)
+    return receive
 
 
 def mean_all_reduce(
