@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a single NVIDIA GPU (under 11 minutes):
-# the Triton kernels bit for bit against the references on CUDA tensors (Signum's fused
-# momentum step and pack too), kernel throughput vs memcpy (Triton and the torch fallback;
-# pack/unpack GB/s against HBM; Signum's fused pass and its two-pass form against pack), a vote through the
-# collective on CUDA, Newton–Schulz: signs flipped against float64 and time per call in float32
-# (SignMuon's default) and bfloat16, per size and momentum rank; SignMuon's pre-vote work by
-# path (what a fused momentum step for the non-matrix rest could save); single-GPU charlm
-# throughput (step time) of SignMuon against AdamW, small and medium (the 14M GPT: how long a
-# step's compute takes on a GPU, against the 0.69 s its fp32 all-reduce needs at 1 Gbit/s on 4
-# ranks, the ratio the CPU time-to-target runs cannot show); and the FSDP2 vote on CUDA
-# (register_fsdp_vote, one rank, bf16 mixed precision, Triton kernels); one DiLoCo round per
-# pseudo-gradient rule (fp32 mean, sign vote, error-feedback scaled signs, error-feedback votes
-# with 8-bit block scales) on CUDA against CPU.
+# The first run on a lent GPU, as one prepared script under 10 minutes (a budget of 570 s:
+# each section gets at most what is left, and one that runs out is reported, not fatal):
+# 1. the Triton kernels bit for bit against the references on CUDA tensors (Signum's fused
+#    momentum step and pack too), the multi-voter vote at M = 8 with zeros and ties, pack and
+#    unpack past 2^31 entries (launches of 2^30 entries);
+# 2. a sync audit under torch.cuda.set_sync_debug_mode("warn"): synchronisations per bucket of
+#    the DDP hooks, per step of vote_in_step, the FSDP voter and a round, on 2 ranks sharing the
+#    GPU through gloo with CUDA tensors;
+# 3. 2 ranks on the GPU through gloo: DPPF and DiLoCo rounds, the train benchmark;
+# 4. kernel throughput against memcpy; Newton–Schulz flips against float64 and time for
+#    float32, TF32 and bf16; SignMuon's pre-vote work by path; charlm step time;
+# 5. FSDP2 on CUDA (one rank, bf16 mixed precision): step time and peak memory against the
+#    matrices' bytes; a DiLoCo round per pseudo-gradient rule, CUDA against CPU;
+# 6. with two GPUs or more: torchrun with NCCL (flat and node-aware DDP hooks, rounds) against
+#    the same run with gloo on the CPU, bit for bit.
 # Writes its report to benchmarks/results/<date>-gpu-check.md (or $OUT if set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +21,15 @@ python="${PYTHON:-python3}"
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 report="$out/$(date +%F)-gpu-check.md"
+budget=570
+work="$(mktemp -d)"  # scripts that spawn ranks must be files
+# section NAME SECONDS COMMAND...: run COMMAND under the smaller of SECONDS and what is left.
+section() {
+  local name=$1 cap=$2 left=$((budget - SECONDS))
+  shift 2
+  if ((left < 20)); then echo "$name: skipped, out of time"; return 0; fi
+  timeout $((cap < left ? cap : left)) "$@" || echo "$name: FAILED or timed out (exit $?)"
+}
 {
   echo "# $(date +%F) — GPU check"
   echo
@@ -29,7 +40,7 @@ report="$out/$(date +%F)-gpu-check.md"
   echo
   echo "## Triton kernels on CUDA tensors against the references"
   echo '```'
-  timeout 120 "$python" - <<'PY'
+  section triton 90 "$python" - <<'PY'
 import torch
 from signmuon.comm_hooks import majority_vote, VoteConfig
 from signmuon.comm_hooks.kernels import cuda, reference
@@ -80,42 +91,156 @@ _, nonzero, _, _ = cuda.pack(rows.view(-1).cuda(), words_for(rows.numel()))
 starts, lengths = zero_runs(nonzero)
 assert torch.equal(plane_from_runs(starts, lengths, nonzero.numel()), nonzero)
 assert torch.equal(torch.stack([starts, lengths]).cpu(), torch.stack(zero_runs(nonzero.cpu())))
-print("triton kernels: bit-exact on CUDA for fp32/bf16/fp16/fp64 (pack, unpack, fused momentum_pack); majority_vote "
-      "and zero runs on CUDA ok")
+# The vote of M = 8 voters with zeros and ties (even M) against the reference.
+gen = torch.Generator().manual_seed(0)
+signs = torch.randint(-1, 2, (8, 4000), generator=gen).float()
+planes = [reference.pack(s, words_for(4000)) for s in signs]
+positive, nonzero = torch.stack([p[0] for p in planes]), torch.stack([p[1] for p in planes])
+tie = torch.randint(-2**62, 2**62, (words_for(4000),), generator=gen)
+for tie_bits in (None, tie):
+    want = reference.vote(positive, nonzero, tie_bits)
+    got = cuda.vote(positive.cuda(), nonzero.cuda(), [False] * 8, None if tie_bits is None else tie_bits.cuda())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), "M = 8 vote"
+# Past 2^31 entries: launches of 2^30 entries; the last words against the same entries packed alone.
+n = (1 << 31) + 4099
+x = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+x[-3000::7] = 0.0
+got = cuda.pack(x, words_for(n))
+tail_start = n - 64 * 200 - 3  # a word boundary: n - tail_start entries in the last 201 words
+tail_start -= tail_start % 64
+alone = cuda.pack(x[tail_start:], words_for(n - tail_start))
+assert torch.equal(got[0][tail_start // 64 :], alone[0]) and torch.equal(got[1][tail_start // 64 :], alone[1]), "past 2^31"
+out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+cuda.unpack(got[0], got[1], out)
+assert torch.equal(out[-5000:], torch.sign(x[-5000:])) and torch.equal(out[:5000], torch.sign(x[:5000])), "unpack past 2^31"
+del x, out, got
+print("triton kernels: bit-exact on CUDA for fp32/bf16/fp16/fp64 (pack, unpack, fused momentum_pack); M = 8 vote with "
+      "zeros and ties; pack/unpack past 2^31 entries; majority_vote and zero runs on CUDA ok")
 PY
+  echo '```'
+  echo
+  echo "## Sync audit: host synchronisations on 2 ranks sharing the GPU through gloo (CUDA tensors)"
+  echo '```'
+  cat > "$work/audit.py" <<'PY'
+import os, tempfile, warnings
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+
+def count_syncs(fn):
+    """Synchronisations torch flags (set_sync_debug_mode) plus explicit stream waits."""
+    waits = [0]
+    real = torch.cuda.Stream.synchronize
+    def wait(stream):
+        waits[0] += 1
+        return real(stream)
+    torch.cuda.synchronize()
+    torch.cuda.Stream.synchronize = wait
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.Stream.synchronize = real
+    return sum("synchroniz" in str(w.message) for w in caught) + waits[0]
+
+def worker(rank, init):
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    torch.cuda.set_device(0)
+    from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, node_layout, sign_vote_hook
+    from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
+    from signmuon.optim import DPPFAverager, OuterStep, SignMuon, SignumMV
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).cuda()
+    x = torch.randn(64, 512, device="cuda") + rank
+    report = []
+    for name, momentum in (("signSGD-MV hook", 0.0), ("Signum-MV hook", 0.9)):
+        model = torch.nn.parallel.DistributedDataParallel(make(), bucket_cap_mb=1)
+        state = SignVoteState(None, momentum=momentum, start_iter=1)
+        calls = []
+
+        def hook(state, bucket):  # DDP checks the hook's parameter names
+            calls.append(1)
+            return sign_vote_hook(state, bucket)
+
+        model.register_comm_hook(state, hook)
+        for step in range(4):
+            calls.clear()
+            syncs = count_syncs(lambda: model(x).square().mean().backward())
+        report.append(f"{name}: {syncs} syncs in a backward of {len(calls)} buckets ({syncs / len(calls):.1f} per bucket)")
+    for cls in (SignumMV, SignMuon):
+        net = make()
+        opt = cls(net.parameters(), lr=1e-3, vote_in_step=True)
+        for step in range(3):
+            net(x).square().mean().backward()
+            syncs = count_syncs(opt.step)
+            opt.zero_grad()
+        report.append(f"{cls.__name__}(vote_in_step=True).step(): {syncs} syncs, {len(list(net.parameters()))} parameters")
+    voter = ShardVoter(node_layout(None, 1), VoteConfig(), CommStats())
+    specs = [ShardSpec((512, 512), key=0, owner=0), ShardSpec((512,), key=1)]
+    shards = [torch.randn(512, 512, device="cuda"), torch.randn(512, device="cuda")]
+    for step in range(3):
+        syncs = count_syncs(lambda: voter.vote(shards, specs, lambda i, g: g, lambda i, t: t, None, step=step, label="audit"))
+    report.append(f"FSDP voter step: {syncs} syncs")
+    net = make()
+    averager = DPPFAverager(period=1, module=net, outer=OuterStep.diloco(pseudo_gradient="sign_vote"))
+    for step in range(3):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)
+        syncs = count_syncs(lambda: averager.average_parameters(net.parameters()))
+    report.append(f"DiLoCo sign_vote round: {syncs} syncs")
+    if rank == 0:
+        print("\n".join(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":  # spawned ranks import this file
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(worker, args=(os.path.join(folder, "init"),), nprocs=2, start_method="spawn")
+PY
+  section sync-audit 90 "$python" "$work/audit.py"
+  echo '```'
+  echo
+  echo "## 2 ranks sharing the GPU through gloo: DPPF and DiLoCo on digits, CUDA tensors"
+  echo '```'
+  section gloo-train 60 "$python" -m signmuon.benchmarks.train --task digits --device cuda --world-size 2 --steps 60 \
+    --eval-every 30 --no-progress --methods dppf_8 diloco_8
   echo '```'
   echo
   echo "## Kernels on CUDA (ratios to a memcpy of the fp32 gradient; GB/s moved)"
   echo '```'
-  timeout 120 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 1M 16M 64M 256M --world-size 8
-  timeout 90 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 16M 256M --world-size 8 --kernels torch
+  section kernels 60 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 1M 16M 64M 256M --world-size 8
+  section kernels-torch 40 "$python" -m signmuon.benchmarks.kernels --device cuda --sizes 16M 256M --world-size 8 --kernels torch
   echo '```'
   echo
-  echo "## Newton–Schulz: flipped signs against float64 and cost, float32 (default) vs bf16"
+  echo "## Newton–Schulz: flipped signs against float64 and cost, float32 (default), TF32, bf16"
   echo '```'
-  timeout 150 "$python" -m signmuon.benchmarks.ns_precision --device cuda --sizes 256 1024 4096 --ranks 8 32 0 \
-    --precisions float32 bfloat16 --seeds 2 --repeats 5
-  timeout 90 "$python" -m signmuon.benchmarks.ns_time --device cuda --dtype float32 --sizes 1024 4096 8192
+  section ns-precision 90 "$python" -m signmuon.benchmarks.ns_precision --device cuda --sizes 256 1024 4096 \
+    --ranks 8 32 0 --precisions float32 tfloat32 bfloat16 --seeds 2 --repeats 5
+  for dtype in float32 tfloat32 bfloat16; do
+    section "ns-time $dtype" 20 "$python" -m signmuon.benchmarks.ns_time --device cuda --dtype "$dtype" --sizes 1024 4096 8192
+  done
   echo '```'
   echo
   echo "## SignMuon's pre-vote work by path on CUDA: the non-matrix rest's launches against fwd+bwd"
   echo '```'
   for size in small medium; do
-    timeout 60 "$python" -m signmuon.benchmarks.direction_time --device cuda --task charlm --size "$size" --batch-size 32
+    section direction-time 30 "$python" -m signmuon.benchmarks.direction_time --device cuda --task charlm --size "$size" \
+      --batch-size 32
   done
   echo '```'
   echo
   echo "## charlm on the GPU, one rank: SignMuon vs AdamW step time and perplexity"
   echo '```'
-  timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --device cuda --world-size 1 --steps 300 \
-    --eval-every 300 --no-progress --methods adamw signmuon
-  timeout 150 "$python" -m signmuon.benchmarks.train --task charlm --size medium --device cuda --world-size 1 \
+  section charlm-medium 75 "$python" -m signmuon.benchmarks.train --task charlm --size medium --device cuda --world-size 1 \
     --steps 100 --eval-every 100 --no-progress --methods adamw signmuon
   echo '```'
   echo
   echo "## FSDP2 on CUDA: SignMuon through register_fsdp_vote, bf16 compute, one rank"
   echo '```'
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 timeout 120 "$python" - <<'PY'
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 section fsdp 60 "$python" - <<'PY'
 import time, torch, torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from signmuon.optim import SignMuon, node_mesh, register_fsdp_vote
@@ -131,20 +256,24 @@ opt = SignMuon(net.parameters(), lr=1e-3)
 register_fsdp_vote(net, opt, mesh)
 x = torch.randn(64, 2048, device="cuda")
 times = []
+torch.cuda.reset_peak_memory_stats()
 for step in range(12):
     torch.cuda.synchronize(); start = time.perf_counter()
     opt.zero_grad(); net(x).square().mean().backward(); opt.step()
     torch.cuda.synchronize(); times.append(time.perf_counter() - start)
 dtypes = {v.dtype for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
 assert dtypes == {torch.float32}, dtypes
-print(f"fsdp signmuon on cuda: median step {1e3 * sorted(times[2:])[5]:.1f} ms, state {dtypes}")
+matrix_bytes = sum(4 * p.numel() for p in net.parameters() if p.dim() == 2)
+peak = torch.cuda.max_memory_allocated()
+print(f"fsdp signmuon on cuda: median step {1e3 * sorted(times[2:])[5]:.1f} ms, state {dtypes}, "
+      f"peak memory {peak / 2**20:.0f} MiB = {peak / matrix_bytes:.2f}x the fp32 matrices")
 dist.destroy_process_group()
 PY
   echo '```'
   echo
   echo "## Rounds on CUDA: one DiLoCo round per pseudo-gradient rule, CUDA against CPU, one rank"
   echo '```'
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 RANK=0 WORLD_SIZE=1 timeout 120 "$python" - <<'PY'
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 RANK=0 WORLD_SIZE=1 section rounds-cuda 60 "$python" - <<'PY'
 import dataclasses, torch, torch.distributed as dist
 from signmuon.optim import DPPFAverager, OuterStep
 dist.init_process_group("nccl")
@@ -167,6 +296,72 @@ for rule, outer in [(r, OuterStep.diloco(pseudo_gradient=r)) for r in ("mean", "
     print(f"round {rule}: CUDA equals CPU (max diff {float((results[1] - results[0]).abs().max()):.2e})")
 dist.destroy_process_group()
 PY
+  echo '```'
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  echo "## NCCL against gloo on the CPU, bit for bit ($gpus GPUs)"
+  echo '```'
+  if ((gpus >= 2)); then
+    check="$work"
+    cat > "$check/votes.py" <<'PY'
+"""Each rank's gradient set exactly (loss = sum of p * g), voted by the DDP hook flat and, with 4
+ranks or more, node-aware (2 ranks per node), then a DiLoCo sign_vote round: the same bits under
+NCCL on GPUs as under gloo on the CPU. Usage: votes.py BACKEND OUT (torchrun sets the ranks)."""
+import os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
+from signmuon.optim import DPPFAverager, OuterStep
+
+backend, out = sys.argv[1], sys.argv[2]
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+if backend == "nccl":
+    torch.cuda.set_device(device)
+results = {}
+configs = [("flat", VoteConfig())] + ([("node-aware", VoteConfig(hierarchical=True, ranks_per_node=2))] if world >= 4 else [])
+for name, config in configs:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 10)).to(device)
+    model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.1)
+    model.register_comm_hook(SignVoteState(None, momentum=0.9, start_iter=1, vote=config), sign_vote_hook)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        grads = [torch.randn(p.shape, generator=gen) for p in net.parameters()]
+        for g in grads:
+            g[torch.rand(g.shape, generator=gen) < 0.1] = 0.0  # zeros travel
+        model.zero_grad()
+        sum((p * g.to(device)).sum() for p, g in zip(model.module.parameters(), grads)).backward()
+        results[f"{name} step {step}"] = [p.grad.detach().cpu().clone() for p in net.parameters()]
+torch.manual_seed(0)
+net = nn.Linear(300, 200).to(device)
+averager = DPPFAverager(period=1, module=net, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), track_distances=False)
+with torch.no_grad():
+    for p in net.parameters():
+        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(device))
+averager.average_parameters(net.parameters())
+results["round"] = [p.detach().cpu().clone() for p in net.parameters()]
+torch.save(results, f"{out}.rank{rank}")
+dist.destroy_process_group()
+PY
+    section nccl 90 torchrun --standalone --nproc-per-node "$gpus" "$check/votes.py" nccl "$check/nccl"
+    section gloo 90 env CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node "$gpus" "$check/votes.py" gloo "$check/gloo"
+    section compare 30 "$python" -c "
+import sys, torch
+gpus, check = int(sys.argv[1]), sys.argv[2]
+for rank in range(gpus):
+    a, b = torch.load(f'{check}/nccl.rank{rank}'), torch.load(f'{check}/gloo.rank{rank}')
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    for key in a:
+        if key == 'round':  # the outer step's floats: close, the votes under it exact
+            torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (rank, key)
+print(f'NCCL on {gpus} GPUs equals gloo on the CPU: votes bit for bit ({len(a) - 1} hook steps), the round within 1e-6')
+" "$gpus" "$check"
+  else
+    echo "one GPU: the NCCL comparison needs two or more (skipped)"
+  fi
   echo '```'
 } | tee "$report"
 echo "report: $report"

@@ -83,7 +83,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     task = make_task(config.task, config.seed, config.data_dir, arch=config.arch, size=config.size)
     device = torch.device(config.device)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())  # ranks may share a GPU
         torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
     swept_task = task.name if config.size == "small" else ""

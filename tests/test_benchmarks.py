@@ -399,7 +399,7 @@ def test_the_gpu_check_scripts_compile_and_their_imports_exist():
 
     script = (Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh").read_text()
     snippets = re.findall(r"<<'PY'\n(.*?)\nPY\n", script, flags=re.S)
-    assert len(snippets) == 3, len(snippets)
+    assert len(snippets) == 5, len(snippets)
     modules = set(re.findall(r"-m (signmuon\.benchmarks\.\w+)", script))
     assert modules, script
     for module in modules:
