@@ -342,3 +342,22 @@ def test_shards_too_long_for_int32_positions_send_their_zeros_as_planes(monkeypa
     code = int(codes.zero_codes(plane.unsqueeze(0), words)[0])
     assert code & codes.ZERO_PLANE and code >> 8 == words
     assert torch.equal(codes.plane_of(code, codes.extra_of(plane, code), words, "cpu"), plane)
+
+
+def _zeros_in_one_part_worker(rank, world_size):
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    x[:100] = 0.0  # zeros in part 0 only: rank 0 receives codes with zeros, the others none
+    return x, majority_vote(x.clone(), None, VoteConfig(tie="fast"), step=3)
+
+
+def test_zeros_in_one_part_do_not_split_the_ranks_decisions():
+    """Two-phase headers describe the part each rank receives, so whether the second step's
+    headers are read must not follow them (a rank skipping a read its peers make hangs)."""
+    results = run_distributed(_zeros_in_one_part_worker, 4)
+    inputs = torch.stack([x for x, _ in results])
+    votes = [v for _, v in results]
+    assert all(torch.equal(v, votes[0]) for v in votes)
+    total = torch.sign(inputs).sum(dim=0)
+    decided = total != 0  # no tie (and not all abstaining)
+    assert torch.equal(votes[0][decided], torch.sign(total[decided]))
+    assert bool((votes[0][:100] == 0).all())  # every voter abstains there: the zeros travel back

@@ -173,9 +173,9 @@ class SignEncoding:
         return EncodedRows(voted_pos.unsqueeze(0), zero_codes(voted_planes, plan.words), zero, False, voted_planes)
 
     def plain_result(self, codes: list[int]) -> bool:
-        """No voter sent zeros, and no tie can vote 0 (``"fast"`` ties, or an odd count): the
-        voted shards are plain signs everywhere."""
-        return not any(c & ZEROS_SENT for c in codes) and (self.tie == "fast" or len(codes) % 2 == 1)
+        """No tie can vote 0 (``"fast"`` ties, or an odd number of voters): with no zeros sent,
+        the voted shards are plain signs everywhere."""
+        return self.tie == "fast" or len(codes) % 2 == 1
 
     def decode(self, rows, codes, values, extras, plan, out) -> None:
         flat = out.view(-1)

@@ -229,7 +229,11 @@ class ExchangeWork:
             self._work = dist.all_gather(list(self._recv.unbind(0)), send, group=self._group, async_op=True)
             self._account((M - 1) * send.numel(), (M - 1) * send.numel())
         self._reduced = reduced
-        self._plain = getattr(self._encoding, "plain_result", lambda _: False)(codes)  # alike on every rank
+        # Alike on every rank: each sender's FLAG_SENDS_EXTRA is in all its rows, while the codes
+        # describe the part this rank received (two-phase: a different part on each rank).
+        self._plain = not any(h[0] & FLAG_SENDS_EXTRA for h in headers) and getattr(
+            self._encoding, "plain_result", lambda _: False
+        )(codes)
         self._stage = 1
 
     def wait(self) -> torch.Tensor:

@@ -106,5 +106,7 @@ class Encoding(Protocol):
     def decode(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, plan: Plan, out: torch.Tensor) -> None: ...
 
     def plain_result(self, codes: list[int]) -> bool:
-        """Whether, given step 1's codes (the same on every rank), every reduced part will carry
-        code 0 and value 0: then the exchange skips reading step 3's headers (a host sync)."""
+        """Whether every reduced part will carry code 0 and value 0, given that no rank sent an
+        extra: then the exchange skips reading step 3's headers (a host sync). It must answer
+        alike on every rank: ``codes`` (the part this rank received) differ between ranks, their
+        count (the voters) does not."""
