@@ -44,16 +44,32 @@ COMMANDS = {
     "zero-structure": "zero_structure",
     "lost-node": "lost_node",
 }
-DEMO = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon",
-        "dppf_8", "--plot", "demo_curves.png"]  # fmt: skip
-DEMO_HELP = """usage: signmuon-bench demo [train options]
+DEMO = [
+    "--world-size",
+    "4",
+    "--steps",
+    "300",
+    "--eval-every",
+    "25",
+    "--methods",
+    "adamw",
+    "signum_mv",
+    "signmuon",
+    "dppf_8",
+    "--plot",
+    "demo_curves.png",
+]
+DEMO_HELP = (
+    """usage: signmuon-bench demo [train options]
 
 The main job: trains on scikit-learn's digits on 4 local gloo ranks for 300 steps with DDP+AdamW,
 Signum-MV, SignMuon and DPPF (period 8), evaluating every 25 steps; prints accuracy, bytes sent
 per rank, communication rounds and step time per method, and writes test loss against step,
 bytes sent and wall time to demo_curves.png. It is `signmuon-bench train` with these options:
 
-    """ + " ".join(DEMO) + """
+    """
+    + " ".join(DEMO)
+    + """
 
 Any train option given after `demo` is added after them and wins (e.g. --steps 100);
 `signmuon-bench train --help` lists them. After the table it prints each method's projected time
@@ -62,6 +78,7 @@ to the target at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s (measured compute and bytes;
 `--link RATE` (e.g. 100mbit) runs the same on real shaped links instead: each rank in its own
 network namespace with its link limited by tc (`signmuon-bench netem`; needs root and iproute2).
 Where that is not possible it says why and prints the projection."""
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
                 command, rest = "netem", ["--world-size", "4", "--rate", rate, "--delay", "", "--", "train", *rest]
             else:
                 why = "it needs root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found (iproute2)"
-                print(f"demo --link {rate}: cannot shape links here ({why}); the table ends with the projection instead")
+                print(
+                    f"demo --link {rate}: cannot shape links here ({why}); the table ends with the projection instead"
+                )
     if command not in COMMANDS:
         sys.exit(f"signmuon-bench: unknown command {command!r}\n{__doc__}")
     importlib.import_module(f"signmuon.benchmarks.{COMMANDS[command]}").main(rest)

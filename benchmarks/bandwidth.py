@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int, size
-from signmuon.benchmarks.registry import names_for
 from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
+from signmuon.benchmarks.registry import names_for
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
 from signmuon.comm_hooks.dist import ring_bytes
 from signmuon.comm_hooks.vote import NodeVoteWork
@@ -121,14 +121,23 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
                 times = sorted(timed_calls(call, args.iters))
                 median = statistics.median(times)
                 row = {
-                    "method": method, "numel": numel, "world_size": world_size, "bytes_per_rank": sent,
-                    "median_s": median, "p10_s": times[int(0.1 * (len(times) - 1))],
+                    "method": method,
+                    "numel": numel,
+                    "world_size": world_size,
+                    "bytes_per_rank": sent,
+                    "median_s": median,
+                    "p10_s": times[int(0.1 * (len(times) - 1))],
                     "p90_s": times[int(math.ceil(0.9 * (len(times) - 1)))],
                     "algbw_GBps": 4 * numel / median / 1e9,
                     "busbw_GBps": 4 * numel / median / 1e9 * 2 * (world_size - 1) / world_size,
-                }  # fmt: skip
+                }
             except RuntimeError as error:  # e.g. a dtype the backend does not reduce
-                row = {"method": method, "numel": numel, "world_size": world_size, "error": str(error).splitlines()[0][:120]}
+                row = {
+                    "method": method,
+                    "numel": numel,
+                    "world_size": world_size,
+                    "error": str(error).splitlines()[0][:120],
+                }
             rows.append(row)
             if progress is not None:
                 progress.update()
@@ -144,8 +153,10 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"world_size={rows[0]['world_size']} backend={args.backend_name} torch={torch.__version__}")
-    print(f"{'entries':>10} {'method':>18} {'median ms':>10} {'p10':>8} {'p90':>8} {'KB/rank':>10} {'algbw GB/s':>10} "
-          f"{'busbw':>8} {'speedup':>8}")  # fmt: skip
+    print(
+        f"{'entries':>10} {'method':>18} {'median ms':>10} {'p10':>8} {'p90':>8} {'KB/rank':>10} {'algbw GB/s':>10} "
+        f"{'busbw':>8} {'speedup':>8}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['numel']:>10} {r['method']:>18}  unsupported: {r['error']}")

@@ -12,7 +12,16 @@ import torch
 
 from signmuon.benchmarks.registry import check_methods, describe, names_for
 
-__all__ = ["command_parser", "network_label", "positive_int", "non_negative_float", "size", "check_device", "parse_methods", "write_report"]
+__all__ = [
+    "command_parser",
+    "network_label",
+    "positive_int",
+    "non_negative_float",
+    "size",
+    "check_device",
+    "parse_methods",
+    "write_report",
+]
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -92,13 +101,20 @@ def command_parser(
     checks them."""
     description = (doc or "").replace("``", "")
     parser = _CommandParser(
-        prog=f"signmuon-bench {command}", description=description, formatter_class=_HelpFormatter,
+        prog=f"signmuon-bench {command}",
+        description=description,
+        formatter_class=_HelpFormatter,
         epilog=describe(methods) if methods else None,
-    )  # fmt: skip
+    )
     if methods:
         default = list(names_for(methods)) if default_methods is None else default_methods
-        parser.add_argument("--methods", nargs="+", default=default, metavar="METHOD",
-                            help="methods to run, listed below (default: %(default)s)")  # fmt: skip
+        parser.add_argument(
+            "--methods",
+            nargs="+",
+            default=default,
+            metavar="METHOD",
+            help="methods to run, listed below (default: %(default)s)",
+        )
         parser.set_defaults(methods_of=methods)
     return parser
 

@@ -43,8 +43,18 @@ from dataclasses import dataclass, field
 
 __all__ = ["Cluster", "Workload", "PLAN_METHODS", "crossover", "predict", "parse_rate"]
 
-PLAN_METHODS = ("allreduce", "bf16_allreduce", "allreduce_node", "signsgd_mv", "signsgd_mv_node", "signmuon",
-                "signmuon_node", "powersgd_r4", "diloco_node", "diloco_vote_node")  # fmt: skip
+PLAN_METHODS = (
+    "allreduce",
+    "bf16_allreduce",
+    "allreduce_node",
+    "signsgd_mv",
+    "signsgd_mv_node",
+    "signmuon",
+    "signmuon_node",
+    "powersgd_r4",
+    "diloco_node",
+    "diloco_vote_node",
+)
 
 
 def parse_rate(text: str) -> float:
@@ -207,17 +217,24 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
     blocking_s = _link_seconds(cluster, *blocking)
     hidden = workload.hidden_seconds(bucketed_s)
     exposed = bucketed_s - hidden + blocking_s
-    return {"between_bytes_per_node": between + blocking[0], "inside_bytes_per_rank": inside + blocking[1],
-            "comm_s": bucketed_s + blocking_s, "exposed_comm_s": exposed, "extra_s": extra_s,
-            "step_s": workload.compute_s + exposed + extra_s}  # fmt: skip
+    return {
+        "between_bytes_per_node": between + blocking[0],
+        "inside_bytes_per_rank": inside + blocking[1],
+        "comm_s": bucketed_s + blocking_s,
+        "exposed_comm_s": exposed,
+        "extra_s": extra_s,
+        "step_s": workload.compute_s + exposed + extra_s,
+    }
 
 
 def _link_seconds(cluster: Cluster, between: float, inside: float, rounds: float, rounds_in: float) -> float:
     """The α–β time of bytes leaving a node, bytes inside it per rank, and their message rounds."""
     return (
-        8 * between / cluster.node_bps + rounds * cluster.latency_s
-        + 8 * inside / cluster.intra_bps + rounds_in * cluster.intra_latency_s
-    )  # fmt: skip
+        8 * between / cluster.node_bps
+        + rounds * cluster.latency_s
+        + 8 * inside / cluster.intra_bps
+        + rounds_in * cluster.intra_latency_s
+    )
 
 
 def crossover(method: str, cluster: Cluster, workload: Workload, baseline: str = "allreduce") -> float | None:

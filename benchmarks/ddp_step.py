@@ -34,11 +34,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
 from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
+from signmuon.benchmarks.methods import counted_powersgd_hook, fsdp_traffic, shard_blocks
 from signmuon.benchmarks.registry import names_for
 from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.comm_hooks.dist import all_reduce, group_device, ring_bytes
 from signmuon.comm_hooks.vote import ZERO_RULES
-from signmuon.benchmarks.methods import counted_powersgd_hook, fsdp_traffic, shard_blocks
 from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
 
 METHODS = names_for("ddp-step")
@@ -64,7 +64,9 @@ def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> ob
         model.register_comm_hook(state, counted_powersgd_hook(1, stats))
         return SimpleNamespace(stats=stats)
     elif method in ("signsgd_mv", "signum_mv"):
-        state = SignVoteState(process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0, vote=vote)
+        state = SignVoteState(
+            process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0, vote=vote
+        )
         model.register_comm_hook(state, sign_vote_hook)
         return state
     elif method == "signmuon":
@@ -107,7 +109,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         if method in FSDP:
             model, opt, state, shard_ranks = _fsdp(method, args, device)
         else:
-            model = DDP(mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+            model = DDP(
+                mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None
+            )
             node = dict(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else {}
             vote = VoteConfig(zeros=args.vote_zeros, **node)
             if NODE_AWARE.get(method, method) == "signmuon":
@@ -117,7 +121,10 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             state = _register(model, method, None, opt, vote)
         gen = torch.Generator().manual_seed(rank)
         batches = [
-            (torch.randn(args.batch, 512, generator=gen).to(device), torch.randint(0, 10, (args.batch,), generator=gen).to(device))
+            (
+                torch.randn(args.batch, 512, generator=gen).to(device),
+                torch.randint(0, 10, (args.batch,), generator=gen).to(device),
+            )
             for _ in range(4)
         ]
         counter = [0]
@@ -136,7 +143,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         times = timed_calls(step, args.steps, device)
         params = sum(p.numel() for p in model.parameters())
         if shard_ranks is not None:  # FSDP2's own collectives by formula, plus the vote as measured
-            per_step = fsdp_traffic(params, shard_ranks) + ((state.stats.bytes_sent - sent_before) / args.steps if hooked else 0)
+            per_step = fsdp_traffic(params, shard_ranks) + (
+                (state.stats.bytes_sent - sent_before) / args.steps if hooked else 0
+            )
         elif hooked:
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
         elif method == "fp16_allreduce":
@@ -145,17 +154,27 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             per_step = ring_bytes(params * 4, world_size)
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
         bits = 8 * per_step / optimal if world_size > 1 else float("nan")
-        row = {"method": method, "params": params, "step_s": statistics.median(times), "bytes_per_rank": per_step,
-               "bits_per_entry": bits, "state_bytes": _state_bytes(opt, state)}  # fmt: skip
+        row = {
+            "method": method,
+            "params": params,
+            "step_s": statistics.median(times),
+            "bytes_per_rank": per_step,
+            "bits_per_entry": bits,
+            "state_bytes": _state_bytes(opt, state),
+        }
         if method in NODE_AWARE or (method in FSDP and hooked):
-            nodes, per_node = opt.sharded_vote.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
+            nodes, per_node = (
+                opt.sharded_vote.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
+            )
             row["nodes"] = f"{nodes}x{per_node}"
             row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
             # A node's ranks carry different shares (SignMuon's owners): the node's sums, every
             # call counted (what the veth counters see) and per timed step.
             node_group = opt.sharded_vote.voter.layout.node_group if method in FSDP else state.layout.node_group
             between = state.stats.bytes_sent_between_nodes
-            total = torch.tensor([float(between), (between - between_before) / args.steps], dtype=torch.float64, device=device)
+            total = torch.tensor(
+                [float(between), (between - between_before) / args.steps], dtype=torch.float64, device=device
+            )
             if node_group is not None and per_node > 1:
                 all_reduce(total, node_group)
             row["between_nodes_bytes_per_node_all_calls"] = total[0].item()
@@ -168,8 +187,10 @@ def report(rows: list[dict], world_size: int) -> None:
     base = next((r["step_s"] for r in rows if r["method"] == "allreduce" and "error" not in r), None)
     params = next((r["params"] for r in rows if "params" in r), 0)
     nodes = next((r["nodes"] for r in rows if "nodes" in r), None)
-    print(f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}"
-          + (f" nodes={nodes} (node-aware rows: MB/rank/step counts inside + between nodes)" if nodes else ""))
+    print(
+        f"world_size={world_size} params={params / 1e6:.1f}M torch={torch.__version__}"
+        + (f" nodes={nodes} (node-aware rows: MB/rank/step counts inside + between nodes)" if nodes else "")
+    )
     print(f"{'method':>19} {'step ms':>9} {'vs fp32':>8} {'MB/rank/step':>13} {'bits/entry':>11} {'state MB/rank':>14}")
     for r in rows:
         if "error" in r:
@@ -178,8 +199,10 @@ def report(rows: list[dict], world_size: int) -> None:
         ratio = r["step_s"] / base if base else float("nan")
         rounds = "  rounds " + " ".join(f"{t * 1e3:.1f}" for t in r["step_s_rounds"]) if "step_s_rounds" in r else ""
         between = f"  between nodes {r['between_nodes_bytes_per_rank'] / 1e6:.2f} MB" if "nodes" in r else ""
-        print(f"{r['method']:>19} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
-              f"{r['bits_per_entry']:>11.2f} {r['state_bytes'] / 1e6:>14.2f}{between}{rounds}")
+        print(
+            f"{r['method']:>19} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
+            f"{r['bits_per_entry']:>11.2f} {r['state_bytes'] / 1e6:>14.2f}{between}{rounds}"
+        )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -192,12 +215,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the rows to this file")
-    parser.add_argument("--vote-zeros", default="abstain", choices=ZERO_RULES,
-                        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="L for the *_node and fsdp_* methods (default: torchrun's LOCAL_WORLD_SIZE)")
-    parser.add_argument("--rounds", type=positive_int, default=1,
-                        help="run every method this many times, interleaved; each step time is the median")
+    parser.add_argument(
+        "--vote-zeros",
+        default="abstain",
+        choices=ZERO_RULES,
+        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="L for the *_node and fsdp_* methods (default: torchrun's LOCAL_WORLD_SIZE)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run every method this many times, interleaved; each step time is the median",
+    )
     args = parse_methods(parser, argv)
     if under_torchrun():
         rows = merge_rounds([run_torchrun(_worker, args, args.methods) for _ in range(args.rounds)])

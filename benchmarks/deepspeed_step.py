@@ -55,7 +55,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
             per_step = (stats.bytes_sent - sent_before[method]) / args.steps
         else:
             per_step = ring_bytes(params * 4, world_size)  # ring all-reduce of fp32 gradients
-        rows.append({"method": method, "params": params, "step_s": statistics.median(times[method]), "bytes_per_rank": per_step})
+        rows.append(
+            {"method": method, "params": params, "step_s": statistics.median(times[method]), "bytes_per_rank": per_step}
+        )
     return rows
 
 
@@ -85,7 +87,10 @@ def _setup(method: str, args: argparse.Namespace):
         return ddp_step, state.stats, params
     client = torch.optim.SGD(model.parameters(), lr=1e-4) if method == "allreduce" else None
     engine, optimizer, _, _ = sm_ds.initialize(
-        model=model, config=_config(method, args.batch), optimizer=client, overlap_backward=not method.endswith("in_step")
+        model=model,
+        config=_config(method, args.batch),
+        optimizer=client,
+        overlap_backward=not method.endswith("in_step"),
     )
 
     def engine_step():
@@ -115,7 +120,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         ratio = r["step_s"] / base if base else float("nan")
         vs_ddp = r["step_s"] / ddp if ddp else float("nan")
-        print(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {vs_ddp:>12.2f} {r['bytes_per_rank'] / 1e6:>13.3f}")
+        print(
+            f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {vs_ddp:>12.2f} {r['bytes_per_rank'] / 1e6:>13.3f}"
+        )
     return rows
 
 

@@ -31,13 +31,25 @@ def direction_time(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.
         loss_fn(model(inputs), targets).backward()
 
     params = [p for p in model.parameters() if p.requires_grad]
-    rows = [{"path": "forward+backward", "params": len(params), "entries": sum(p.numel() for p in params),
-             "seconds": median_seconds(forward_backward, repeats, device)}]  # fmt: skip
+    rows = [
+        {
+            "path": "forward+backward",
+            "params": len(params),
+            "entries": sum(p.numel() for p in params),
+            "seconds": median_seconds(forward_backward, repeats, device),
+        }
+    ]
     for whole, label in ((True, "matrices"), (False, "the rest")):
         chosen = [p for p in params if opt.votes(p) and opt.needs_whole(p) == whole]
         directions = lambda chosen=chosen: [opt.local_direction(p, p.grad) for p in chosen]  # noqa: E731
-        rows.append({"path": label, "params": len(chosen), "entries": sum(p.numel() for p in chosen),
-                     "seconds": median_seconds(directions, repeats, device) if chosen else 0.0})  # fmt: skip
+        rows.append(
+            {
+                "path": label,
+                "params": len(chosen),
+                "entries": sum(p.numel() for p in chosen),
+                "seconds": median_seconds(directions, repeats, device) if chosen else 0.0,
+            }
+        )
     return rows
 
 
@@ -60,8 +72,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"task={args.task} size={args.size} batch={args.batch_size} device={device} torch={torch.__version__}")
     print(f"{'':>17} {'params':>7} {'entries':>11} {'ms':>9} {'vs fwd+bwd':>11}")
     for row in rows:
-        print(f"{row['path']:>17} {row['params']:>7} {row['entries']:>11} {row['seconds'] * 1e3:>9.3f} "
-              f"{row['seconds'] / base:>11.3f}")  # fmt: skip
+        print(
+            f"{row['path']:>17} {row['params']:>7} {row['entries']:>11} {row['seconds'] * 1e3:>9.3f} "
+            f"{row['seconds'] / base:>11.3f}"
+        )
     return rows
 
 

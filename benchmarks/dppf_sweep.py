@@ -18,10 +18,9 @@ import math
 
 from signmuon.benchmarks.cli import command_parser, positive_int, write_report
 from signmuon.benchmarks.curves import mean_std
-from signmuon.benchmarks.tasks import CHARLM_SIZES
 from signmuon.benchmarks.methods import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
 from signmuon.benchmarks.methods import TrainConfig
-from signmuon.benchmarks.tasks import TASKS
+from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS
 from signmuon.benchmarks.train import run
 
 __all__ = ["aggregate", "main", "PERIODS"]
@@ -47,16 +46,22 @@ def aggregate(rows: list[dict]) -> list[dict]:
             entry[metric] = mean_std([r[metric] for r in runs])
         summary.append(entry)
     for entry in summary:
-        base = next((e for e in summary if e["period"] == entry["period"] and (e["pull"], e["push"]) == LOCAL_SGD), None)
+        base = next(
+            (e for e in summary if e["period"] == entry["period"] and (e["pull"], e["push"]) == LOCAL_SGD), None
+        )
         if base is None or base is entry:
             entry["loss_beyond_spread"] = entry["acc_beyond_spread"] = None
             continue
         (loss, loss_sd), (base_loss, base_loss_sd) = entry["test_loss"], base["test_loss"]
         (acc, acc_sd), (base_acc, base_acc_sd) = entry["test_acc"], base["test_acc"]
         # +1: better beyond the spread, -1: worse beyond it, 0: the intervals overlap.
-        entry["loss_beyond_spread"] = _side(base_loss - base_loss_sd, base_loss + base_loss_sd, loss - loss_sd, loss + loss_sd)
+        entry["loss_beyond_spread"] = _side(
+            base_loss - base_loss_sd, base_loss + base_loss_sd, loss - loss_sd, loss + loss_sd
+        )
         # Higher accuracy is better: the same test on negated intervals.
-        entry["acc_beyond_spread"] = _side(-base_acc - base_acc_sd, -base_acc + base_acc_sd, -acc - acc_sd, -acc + acc_sd)
+        entry["acc_beyond_spread"] = _side(
+            -base_acc - base_acc_sd, -base_acc + base_acc_sd, -acc - acc_sd, -acc + acc_sd
+        )
     return summary
 
 
@@ -69,27 +74,42 @@ def _side(base_low: float, base_high: float, low: float, high: float) -> int:
 
 
 def print_summary(summary: list[dict], task: str, world_size: int, steps: int) -> None:
-    print(f"DPPF vs local SGD: task={task}, world_size={world_size}, steps={steps}; consensus model, mean ± std over seeds")
-    print(f"{'period':>6} {'pull':>5} {'push':>6} {'test loss':>17} {'test acc':>17} {'worker acc':>17} {'distance':>15}  vs local SGD")
+    print(
+        f"DPPF vs local SGD: task={task}, world_size={world_size}, steps={steps}; consensus model, mean ± std over seeds"
+    )
+    print(
+        f"{'period':>6} {'pull':>5} {'push':>6} {'test loss':>17} {'test acc':>17} {'worker acc':>17} {'distance':>15}  vs local SGD"
+    )
     verdict = {1: "better", -1: "worse", 0: "within spread", None: ""}
     for e in summary:
         cells = [f"{e[m][0]:.4f} ± {e[m][1]:.4f}" for m in METRICS]
-        name = "local SGD" if (e["pull"], e["push"]) == LOCAL_SGD else (
-            f"loss {verdict[e['loss_beyond_spread']]}, acc {verdict[e['acc_beyond_spread']]}")  # fmt: skip
-        print(f"{e['period']:>6} {e['pull']:>5g} {e['push']:>6g} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {cells[3]:>15}  {name}")
+        name = (
+            "local SGD"
+            if (e["pull"], e["push"]) == LOCAL_SGD
+            else (f"loss {verdict[e['loss_beyond_spread']]}, acc {verdict[e['acc_beyond_spread']]}")
+        )
+        print(
+            f"{e['period']:>6} {e['pull']:>5g} {e['push']:>6g} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {cells[3]:>15}  {name}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = command_parser("dppf-sweep", __doc__)
     parser.add_argument("--task", default="digits", choices=sorted(TASKS), help="(default: %(default)s)")
-    parser.add_argument("--size", default="small", choices=sorted(CHARLM_SIZES), help="charlm's model size (default: %(default)s)")
-    parser.add_argument("--periods", nargs="+", type=int, choices=PERIODS, default=list(PERIODS), help="(default: %(default)s)")
+    parser.add_argument(
+        "--size", default="small", choices=sorted(CHARLM_SIZES), help="charlm's model size (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--periods", nargs="+", type=int, choices=PERIODS, default=list(PERIODS), help="(default: %(default)s)"
+    )
     parser.add_argument("--pulls", nargs="+", type=float, default=[0.5, 1.0], help="(default: %(default)s)")
     parser.add_argument("--pushes", nargs="+", type=float, default=[0.0, 0.05, 0.2], help="(default: %(default)s)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="(default: %(default)s)")
     parser.add_argument("--world-size", type=positive_int, default=4, help="(default: %(default)s)")
     parser.add_argument("--steps", type=positive_int, default=320, help="(default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=TrainConfig.batch_size, help="(default: %(default)s)")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=TrainConfig.batch_size, help="(default: %(default)s)"
+    )
     parser.add_argument("--json", help="write the runs, the summary and the command line here")
     args = parser.parse_args(argv)
     if any(not 0.0 <= p <= 1.0 for p in args.pulls):
@@ -106,21 +126,45 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for period in args.periods:
         for seed in args.seeds:
-            base = TrainConfig(task=args.task, size=args.size, steps=args.steps, eval_every=args.steps,
-                               batch_size=args.batch_size, seed=seed)  # fmt: skip
+            base = TrainConfig(
+                task=args.task,
+                size=args.size,
+                steps=args.steps,
+                eval_every=args.steps,
+                batch_size=args.batch_size,
+                seed=seed,
+            )
             settings = [(LOCAL_SGD, f"local_sgd_{period}", base)] + [
-                ((pull, push), f"dppf_{period}", dataclasses.replace(base, pull_push=(pull, push))) for pull, push in grid
+                ((pull, push), f"dppf_{period}", dataclasses.replace(base, pull_push=(pull, push)))
+                for pull, push in grid
             ]
             for (pull, push), method, config in settings:
                 result = run([method], args.world_size, config)[0]
-                rows.append({"period": period, "pull": pull, "push": push, "seed": seed,
-                             "test_loss": result["log"][-1]["test_loss"], "test_acc": result["test_acc"],
-                             "worker_acc": result["worker_acc"], "mean_distance": result["mean_distance"],
-                             "rounds": result["rounds"]})  # fmt: skip
+                rows.append(
+                    {
+                        "period": period,
+                        "pull": pull,
+                        "push": push,
+                        "seed": seed,
+                        "test_loss": result["log"][-1]["test_loss"],
+                        "test_acc": result["test_acc"],
+                        "worker_acc": result["worker_acc"],
+                        "mean_distance": result["mean_distance"],
+                        "rounds": result["rounds"],
+                    }
+                )
     summary = aggregate(rows)
-    print_summary(summary, args.task if args.size == "small" else f"{args.task}-{args.size}", args.world_size, args.steps)
-    fields = {"task": args.task, "size": args.size, "world_size": args.world_size, "steps": args.steps, "runs": rows,
-              "summary": summary}  # fmt: skip
+    print_summary(
+        summary, args.task if args.size == "small" else f"{args.task}-{args.size}", args.world_size, args.steps
+    )
+    fields = {
+        "task": args.task,
+        "size": args.size,
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "runs": rows,
+        "summary": summary,
+    }
     return write_report("dppf-sweep", argv, fields, args.json)
 
 

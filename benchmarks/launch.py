@@ -25,7 +25,9 @@ import torch.multiprocessing as mp
 def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple, threads: int) -> None:
     torch.set_num_threads(threads)
     # What torchrun sets, for frameworks that read it (DeepSpeed requires LOCAL_RANK).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )

@@ -74,10 +74,21 @@ def _replica(replica: int, lighthouse: str, config: LostNodeConfig, out_dir: str
     pg = ProcessGroupGloo(timeout=timedelta(seconds=config.timeout_seconds))
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None, replica_id=str(replica),
-        store_addr="localhost", store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, port=0,
-        timeout=timedelta(seconds=30), use_async_quorum=False, init_sync=False,
-    )  # fmt: skip
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id=str(replica),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timedelta(seconds=30),
+        use_async_quorum=False,
+        init_sync=False,
+    )
     averager = DPPFAverager(
         config.period, outer=OuterStep.diloco(lr=0.7, momentum=0.5), pull=1.0, module=model, process_group=pg
     )
@@ -102,13 +113,25 @@ def _replica(replica: int, lighthouse: str, config: LostNodeConfig, out_dir: str
         round_start = time.perf_counter()
         committed = rounds.step()
         if committed is not None:
-            events.append({"step": step + 1, "committed": committed, "replicas": manager.num_participants(),
-                           "seconds": time.perf_counter() - round_start})  # fmt: skip
+            events.append(
+                {
+                    "step": step + 1,
+                    "committed": committed,
+                    "replicas": manager.num_participants(),
+                    "seconds": time.perf_counter() - round_start,
+                }
+            )
     result = {
-        "replica": replica, "joined_at": joined_at, "heals": rounds.heals, "events": events, "iterations": iterations,
-        "rounds_committed": rounds.rounds_committed, "rounds_failed": rounds.rounds_failed,
-        "seconds": time.perf_counter() - start, **evaluate(model, task),
-    }  # fmt: skip
+        "replica": replica,
+        "joined_at": joined_at,
+        "heals": rounds.heals,
+        "events": events,
+        "iterations": iterations,
+        "rounds_committed": rounds.rounds_committed,
+        "rounds_failed": rounds.rounds_failed,
+        "seconds": time.perf_counter() - start,
+        **evaluate(model, task),
+    }
     manager.shutdown(wait=False)
     with open(path, "w") as f:
         json.dump(result, f)
@@ -125,9 +148,20 @@ def lost_node_run(config: LostNodeConfig) -> dict:
         with tempfile.TemporaryDirectory() as out_dir:
             ready = ctx.Barrier(2)
             procs = [
-                ctx.Process(target=_replica, args=(r, lighthouse.address(), config, out_dir, "first", r == 1 and config.kill_at is not None, ready))
+                ctx.Process(
+                    target=_replica,
+                    args=(
+                        r,
+                        lighthouse.address(),
+                        config,
+                        out_dir,
+                        "first",
+                        r == 1 and config.kill_at is not None,
+                        ready,
+                    ),
+                )
                 for r in range(2)
-            ]  # fmt: skip
+            ]
             for p in procs:
                 p.start()
             if config.kill_at is not None:
@@ -135,7 +169,9 @@ def lost_node_run(config: LostNodeConfig) -> dict:
                 if procs[1].exitcode != DEAD:
                     raise RuntimeError(f"replica 1 ended with exit code {procs[1].exitcode} before it was to die")
                 time.sleep(config.down_seconds)
-                procs[1] = ctx.Process(target=_replica, args=(1, lighthouse.address(), config, out_dir, "rejoined", False, None))
+                procs[1] = ctx.Process(
+                    target=_replica, args=(1, lighthouse.address(), config, out_dir, "rejoined", False, None)
+                )
                 procs[1].start()
             for p in procs:
                 p.join()
@@ -149,8 +185,12 @@ def lost_node_run(config: LostNodeConfig) -> dict:
 def summary(results: dict, config: LostNodeConfig) -> dict:
     """What the failure cost: the step replica 1 rejoined at and the steps of work it lost."""
     survivor, first = results["replica0-first"], results["replica1-first"]
-    out = {"test_loss": [survivor["test_loss"]], "rounds_committed": survivor["rounds_committed"],
-           "rounds_failed": survivor["rounds_failed"], "survivor_steps_redone": survivor["iterations"] - config.steps}  # fmt: skip
+    out = {
+        "test_loss": [survivor["test_loss"]],
+        "rounds_committed": survivor["rounds_committed"],
+        "rounds_failed": survivor["rounds_failed"],
+        "survivor_steps_redone": survivor["iterations"] - config.steps,
+    }
     back = results.get("replica1-rejoined")
     if back is None:
         out["test_loss"].append(first["test_loss"])
@@ -162,17 +202,21 @@ def summary(results: dict, config: LostNodeConfig) -> dict:
     if not back["heals"]:
         raise RuntimeError("replica 1 came back after the survivor had finished: run more --steps or kill it earlier")
     out.update(
-        test_loss=[survivor["test_loss"], back["test_loss"]], rejoined_at=back["joined_at"], heals=back["heals"],
+        test_loss=[survivor["test_loss"], back["test_loss"]],
+        rejoined_at=back["joined_at"],
+        heals=back["heals"],
         lost_steps=back["joined_at"] - last_round,
         stall_seconds=max((e["seconds"] for e in survivor["events"] if not e["committed"]), default=0.0),
-    )  # fmt: skip
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = command_parser("lost-node", __doc__)
     parser.add_argument("--task", default="charlm", choices=list(TASKS))
-    parser.add_argument("--steps", type=positive_int, default=320, help="a multiple of --period: the run ends on a round")
+    parser.add_argument(
+        "--steps", type=positive_int, default=320, help="a multiple of --period: the run ends on a round"
+    )
     parser.add_argument("--period", type=positive_int, default=8)
     parser.add_argument("--kill-at", type=positive_int, default=100)
     parser.add_argument("--down", type=non_negative_float, default=1.0, help="seconds replica 1 stays dead")
@@ -185,26 +229,34 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--steps {args.steps} must be a multiple of --period {args.period}: the replicas end on a round")
     runs: dict[str, list[dict]] = {"no failure": [], "replica 1 lost": []}
     for seed in args.seeds:
-        base = LostNodeConfig(task=args.task, steps=args.steps, period=args.period, kill_at=None,
-                              down_seconds=args.down, seed=seed)  # fmt: skip
+        base = LostNodeConfig(
+            task=args.task, steps=args.steps, period=args.period, kill_at=None, down_seconds=args.down, seed=seed
+        )
         for name, config in (("no failure", base), ("replica 1 lost", dataclasses.replace(base, kill_at=args.kill_at))):
             runs[name].append({"seed": seed, **summary(lost_node_run(config), config)})
-    print(f"task={args.task} steps={args.steps} period={args.period}: DiLoCo (AdamW inside, outer 0.7/0.5), "
-          "2 replica groups under torchft's Manager")  # fmt: skip
-    print(f"{'run':<16} {'seed':>4} {'test loss r0 / r1':>18} {'rounds ok / rolled back':>24} {'rejoined at':>12} "
-          f"{'steps lost (r1)':>16} {'redone (r0)':>12} {'stall s':>8}")  # fmt: skip
+    print(
+        f"task={args.task} steps={args.steps} period={args.period}: DiLoCo (AdamW inside, outer 0.7/0.5), "
+        "2 replica groups under torchft's Manager"
+    )
+    print(
+        f"{'run':<16} {'seed':>4} {'test loss r0 / r1':>18} {'rounds ok / rolled back':>24} {'rejoined at':>12} "
+        f"{'steps lost (r1)':>16} {'redone (r0)':>12} {'stall s':>8}"
+    )
     for name, rows in runs.items():
         for s in rows:
             losses = " / ".join(f"{v:.4f}" for v in s["test_loss"])
-            print(f"{name:<16} {s['seed']:>4} {losses:>18} {s['rounds_committed']:>14} / {s['rounds_failed']:<7} "
-                  f"{s.get('rejoined_at', '-')!s:>12} {s.get('lost_steps', 0):>16} {s['survivor_steps_redone']:>12} "
-                  f"{s.get('stall_seconds', 0.0):>8.2f}")  # fmt: skip
+            print(
+                f"{name:<16} {s['seed']:>4} {losses:>18} {s['rounds_committed']:>14} / {s['rounds_failed']:<7} "
+                f"{s.get('rejoined_at', '-')!s:>12} {s.get('lost_steps', 0):>16} {s['survivor_steps_redone']:>12} "
+                f"{s.get('stall_seconds', 0.0):>8.2f}"
+            )
     for name, rows in runs.items():
         final = torch.tensor([s["test_loss"][0] for s in rows], dtype=torch.float64)
         spread = float(final.std()) if len(rows) > 1 else 0.0
         print(f"{name}: final test loss {float(final.mean()):.4f} ± {spread:.4f} over {len(rows)} seed(s)")
     write_report("lost-node", argv, {"config": vars(args), "runs": runs}, args.json)
     return runs
+
 
 if __name__ == "__main__":
     main()

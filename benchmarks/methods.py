@@ -35,7 +35,18 @@ from signmuon.optim import (
     register_fsdp_vote,
 )
 
-__all__ = ["counted_powersgd_hook", "serial_powersgd_hook", "FSDP_METHODS", "LOCAL_SGD_PULL_PUSH", "METHODS", "STRATEGIES", "Method", "Setup", "TrainConfig", "shard_blocks"]
+__all__ = [
+    "counted_powersgd_hook",
+    "serial_powersgd_hook",
+    "FSDP_METHODS",
+    "LOCAL_SGD_PULL_PUSH",
+    "METHODS",
+    "STRATEGIES",
+    "Method",
+    "Setup",
+    "TrainConfig",
+    "shard_blocks",
+]
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -177,8 +188,11 @@ def counted_powersgd_hook(rank: int, stats: CommStats):
 
     def hook(state, bucket):  # unannotated: DDP checks annotations as objects
         compressed = state.iter >= state.start_powerSGD_iter
-        nbytes = _powersgd_bytes(bucket, rank, world_size) if compressed else (
-            2 * (world_size - 1) * bucket.buffer().numel() * 4 // world_size)  # fmt: skip
+        nbytes = (
+            _powersgd_bytes(bucket, rank, world_size)
+            if compressed
+            else (2 * (world_size - 1) * bucket.buffer().numel() * 4 // world_size)
+        )
         stats.add(nbytes, nbytes)
         if dist.get_backend() == "gloo":
             return serial_powersgd_hook(state, bucket)
@@ -227,7 +241,9 @@ def _ddp_half(dtype: torch.dtype, make_opt) -> Method:
 
 def _vote(config: TrainConfig, node_aware: bool = False) -> VoteConfig:
     if node_aware:
-        return VoteConfig(fault=_fault(config), zeros=config.vote_zeros, hierarchical=True, ranks_per_node=config.ranks_per_node)
+        return VoteConfig(
+            fault=_fault(config), zeros=config.vote_zeros, hierarchical=True, ranks_per_node=config.ranks_per_node
+        )
     return VoteConfig(fault=_fault(config), zeros=config.vote_zeros)
 
 
@@ -312,11 +328,13 @@ def _outer_step(config: TrainConfig, pseudo_gradient: str) -> OuterStep:
     the scale settings go to the methods whose rule has scales (so one run can compare rules)."""
     scaled = pseudo_gradient in OuterStep.SCALED
     return OuterStep(
-        optimizer=functools.partial(torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum,
-                                    nesterov=config.outer_momentum > 0),
-        pseudo_gradient=pseudo_gradient, scale_block=config.outer_scale_block if scaled else 0,
+        optimizer=functools.partial(
+            torch.optim.SGD, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_momentum > 0
+        ),
+        pseudo_gradient=pseudo_gradient,
+        scale_block=config.outer_scale_block if scaled else 0,
         scale_bits=config.outer_scale_bits if scaled else 32,
-    )  # fmt: skip
+    )
 
 
 def _fsdp_rounds(period: int, pseudo_gradient: str = "mean") -> Method:
@@ -328,7 +346,13 @@ def _fsdp_rounds(period: int, pseudo_gradient: str = "mean") -> Method:
         mesh = node_mesh(config.ranks_per_node, device_type=device.type)
         shard_blocks(net, mesh["local"])
         opt = _adamw(net.parameters(), config.lr_scale)
-        averager = DPPFAverager(period, pull=1.0, outer=_outer_step(config, pseudo_gradient), module=net, process_group=mesh["node"].get_group())
+        averager = DPPFAverager(
+            period,
+            pull=1.0,
+            outer=_outer_step(config, pseudo_gradient),
+            module=net,
+            process_group=mesh["node"].get_group(),
+        )
         per_step = fsdp_traffic(sum(p.numel() for p in net.parameters()), mesh.shape[1])
 
         def after_step(*_) -> None:
@@ -367,8 +391,9 @@ def _muon_adamw(params, lr_scale: float) -> torch.optim.Optimizer:
     return MuonWithAdamW(params, lr=0.02 * lr_scale, adamw_lr=2e-3 * lr_scale)
 
 
-def _rounds(period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0, push: float = 0.0,
-            inner=_adamw) -> Method:  # fmt: skip
+def _rounds(
+    period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0, push: float = 0.0, inner=_adamw
+) -> Method:
     """``inner`` (AdamW; or torch's Muon with AdamW, MuLoCo) on each worker, a round every
     ``period`` steps: DiLoCo's outer Nesterov step on the pseudo-gradients combined by
     ``pseudo_gradient`` (None: plain averaging, no outer step). Node-aware where the run is laid

@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-from signmuon.benchmarks.cli import command_parser
 from signmuon.benchmarks.__main__ import COMMANDS
+from signmuon.benchmarks.cli import command_parser
 
 __all__ = ["EmulatedNetwork", "main"]
 
@@ -52,7 +52,9 @@ _NETWORKS = itertools.count()
 class EmulatedNetwork:
     """Namespaces ``<prefix>r<i>`` joined by bridge ``<prefix>br``; a context manager that cleans up."""
 
-    def __init__(self, world_size: int, rate: str, delay: str, subnet: int | None = None, ranks_per_node: int = 1) -> None:
+    def __init__(
+        self, world_size: int, rate: str, delay: str, subnet: int | None = None, ranks_per_node: int = 1
+    ) -> None:
         if world_size < 1 or world_size > 200:
             raise ValueError(f"world_size={world_size} must be in 1..200")
         if ranks_per_node < 1 or world_size % ranks_per_node:
@@ -104,8 +106,10 @@ class EmulatedNetwork:
         burst = max(_bits(self.rate) // 8 // 100, 32 * 1024)  # 10 ms of traffic
         _run(*qdisc, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
         if self.delay and not self.delay_dropped:
-            print(f"note: this kernel has no sch_netem; rate {self.rate} via tbf, delay {self.delay} not applied",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"note: this kernel has no sch_netem; rate {self.rate} via tbf, delay {self.delay} not applied",
+                file=sys.stderr,
+            )
         self.delay_dropped = True
 
     def __exit__(self, *exc) -> None:
@@ -132,14 +136,26 @@ class EmulatedNetwork:
         L = self.ranks_per_node
         for rank in range(self.world_size):
             ns = self.namespaces[rank // L]
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % L), WORLD_SIZE=str(self.world_size),
-                       LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(rank // L), MASTER_ADDR=self.address(0),
-                       MASTER_PORT=port, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-                       SIGNMUON_NETEM_RATE=self.rate)  # fmt: skip
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank % L),
+                WORLD_SIZE=str(self.world_size),
+                LOCAL_WORLD_SIZE=str(L),
+                GROUP_RANK=str(rank // L),
+                MASTER_ADDR=self.address(0),
+                MASTER_PORT=port,
+                GLOO_SOCKET_IFNAME="eth0",
+                OMP_NUM_THREADS="1",
+                SIGNMUON_NETEM_RATE=self.rate,
+            )
             module = COMMANDS.get(module_args[0], module_args[0])  # a CLI name (ddp-step) or a module
             command = ["ip", "netns", "exec", ns, sys.executable, "-m", f"signmuon.benchmarks.{module}"]
-            procs.append(subprocess.Popen(command + module_args[1:], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    command + module_args[1:], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
         deadline = time.monotonic() + timeout
         results = []
         for proc in procs:
@@ -172,8 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
     split = argv.index("--")
     parser = command_parser("netem", __doc__)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--ranks-per-node", type=int, default=1,
-                        help="ranks sharing a namespace (a node: loopback inside, shaped links between)")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks sharing a namespace (a node: loopback inside, shaped links between)",
+    )
     parser.add_argument("--rate", default="1gbit", help="tc rate per rank, e.g. 1gbit, 10gbit")
     parser.add_argument("--rates", nargs="+", help="run the command once per rate (overrides --rate)")
     parser.add_argument("--delay", default="0.2ms", help="tc delay per packet, e.g. 0.2ms ('' for none)")
@@ -220,8 +240,13 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
         delay = "" if net.delay_dropped else args.delay
         L = args.ranks_per_node
         unit = "node" if L > 1 else "rank"
-        report = {"world_size": args.world_size, "ranks_per_node": L, "rate": rate, "delay": delay,
-                  f"tx_bytes_per_{unit}": sent}  # fmt: skip
+        report = {
+            "world_size": args.world_size,
+            "ranks_per_node": L,
+            "rate": rate,
+            "delay": delay,
+            f"tx_bytes_per_{unit}": sent,
+        }
         if os.path.exists(json_path):
             with open(json_path) as f:
                 loaded = json.load(f)
@@ -229,7 +254,11 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
                 report["train"] = loaded
             elif inner[0] == "ddp-step":
                 # The vote's bytes between nodes, every call of the run, as the optimizer or hook counted them.
-                counted = [r["between_nodes_bytes_per_node_all_calls"] for r in loaded if "between_nodes_bytes_per_node_all_calls" in r]
+                counted = [
+                    r["between_nodes_bytes_per_node_all_calls"]
+                    for r in loaded
+                    if "between_nodes_bytes_per_node_all_calls" in r
+                ]
                 if counted and L > 1:
                     report[f"algorithmic_bytes_per_{unit}"] = sum(counted)
                 report["rows"] = loaded
@@ -242,8 +271,10 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
                 report["rows"] = loaded
         print(f"rate={rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
         if f"algorithmic_bytes_per_{unit}" in report:
-            print(f"algorithmic bytes per {unit} of the measured calls: {report[f'algorithmic_bytes_per_{unit}']} "
-                  "(plus barriers, timing all-reduces, rendezvous and TCP/IP headers)")  # fmt: skip
+            print(
+                f"algorithmic bytes per {unit} of the measured calls: {report[f'algorithmic_bytes_per_{unit}']} "
+                "(plus barriers, timing all-reduces, rendezvous and TCP/IP headers)"
+            )
         return report
 
 
@@ -256,8 +287,10 @@ def print_time_to_target(reports: list[dict]) -> None:
         return
     methods = list(trains[0]["train"]["summary"])
     first = trains[0]["train"]["runs"][0]
-    print(f"time to target, s (task={first['task']}, world_size={first['world_size']}; target: each rate's own, "
-          "adamw's final loss unless --target-loss)")  # fmt: skip
+    print(
+        f"time to target, s (task={first['task']}, world_size={first['world_size']}; target: each rate's own, "
+        "adamw's final loss unless --target-loss)"
+    )
     print(f"{'method':>16} " + " ".join(f"{r['rate']:>23}" for r in trains))
     for method in methods:
         cells = []
@@ -296,7 +329,9 @@ def plot_rates(reports: list[dict], path: str) -> None:
     axes[0][0].set_ylabel("test loss")
     axes[0][0].legend(fontsize=8)
     first = trains[0]["train"]["runs"][0]
-    fig.suptitle(f"{first['task']}, {first['world_size']} ranks: test loss against wall time by link rate (dashed: target)")
+    fig.suptitle(
+        f"{first['task']}, {first['world_size']} ranks: test loss against wall time by link rate (dashed: target)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -70,12 +70,18 @@ def seconds(x: torch.Tensor, precision: str, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = command_parser("ns-precision", __doc__)
-    parser.add_argument("--sizes", nargs="+", type=positive_int, default=[256, 1024], help="square matrix sizes (default: %(default)s)")
-    parser.add_argument("--ranks", nargs="+", type=int, default=[8, 32, 0], help="momentum ranks, 0 = full rank (default: %(default)s)")
+    parser.add_argument(
+        "--sizes", nargs="+", type=positive_int, default=[256, 1024], help="square matrix sizes (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ranks", nargs="+", type=int, default=[8, 32, 0], help="momentum ranks, 0 = full rank (default: %(default)s)"
+    )
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--seeds", type=positive_int, default=2, help="matrices per case (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed calls (default: %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     check_device(parser, args.device)
     device = torch.device(args.device)
@@ -90,11 +96,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for precision in args.precisions:
                 flips = [flip_fraction(x, precision) for x in xs]
                 ms = seconds(xs[0], precision, args.repeats) * 1e3
-                row = {"size": size, "rank": rank, "precision": precision, "flips": statistics.mean(flips),
-                       "max_flips": max(flips), "ms": ms}  # fmt: skip
+                row = {
+                    "size": size,
+                    "rank": rank,
+                    "precision": precision,
+                    "flips": statistics.mean(flips),
+                    "max_flips": max(flips),
+                    "ms": ms,
+                }
                 rows.append(row)
                 label = "full" if rank == 0 else str(rank)
-                print(f"{size:>6} {label:>5} {precision:>18} {100 * row['flips']:>9.3f} {100 * row['max_flips']:>7.3f} {ms:>9.2f}")
+                print(
+                    f"{size:>6} {label:>5} {precision:>18} {100 * row['flips']:>9.3f} {100 * row['max_flips']:>7.3f} {ms:>9.2f}"
+                )
     return rows
 
 

@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = command_parser("ns-time", __doc__)
     parser.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1024])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=list(NS_DTYPES), help="(default: %(default)s, SignMuon's)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=list(NS_DTYPES), help="(default: %(default)s, SignMuon's)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)

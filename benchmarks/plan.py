@@ -22,12 +22,24 @@ import statistics
 from signmuon.benchmarks.cli import command_parser, positive_int
 from signmuon.benchmarks.cost import PLAN_METHODS, Cluster, Workload, crossover, parse_rate, predict
 
-__all__ = ["GPT_SIZES", "UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "median_rows", "model_shapes", "validate",
-           "wire_seconds"]  # fmt: skip
+__all__ = [
+    "GPT_SIZES",
+    "UNCROWDED_LAYOUTS",
+    "VALIDATION_LAYOUTS",
+    "main",
+    "median_rows",
+    "model_shapes",
+    "validate",
+    "wire_seconds",
+]
 
 # GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
-GPT_SIZES = {"gpt-125m": (12, 768, 50257), "gpt-1.3b": (24, 2048, 50257), "gpt-7b": (32, 4096, 50257),
-             "gpt-70b": (80, 8192, 50257)}  # fmt: skip
+GPT_SIZES = {
+    "gpt-125m": (12, 768, 50257),
+    "gpt-1.3b": (24, 2048, 50257),
+    "gpt-7b": (32, 4096, 50257),
+    "gpt-70b": (80, 8192, 50257),
+}
 PROJECTION = {
     "models": ("gpt-125m", "gpt-1.3b", "gpt-7b", "gpt-70b"),
     "nodes": (2, 8, 32, 128, 512),
@@ -67,30 +79,47 @@ def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dic
 
 
 def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
-    print(f"{workload.params / 1e6:.1f}M parameters, {cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s), "
-          f"link {cluster.link_bps / 1e9:g} Gbit/s per NIC, compute {workload.compute_s * 1e3:.1f} ms/step")  # fmt: skip
-    print(f"{'method':>16} {'MB out/node':>12} {'MB in/rank':>11} {'comm ms':>9} {'exposed':>9} {'step ms':>9} "
-          f"{'speed-up':>9} {'pays below':>12}")  # fmt: skip
+    print(
+        f"{workload.params / 1e6:.1f}M parameters, {cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s), "
+        f"link {cluster.link_bps / 1e9:g} Gbit/s per NIC, compute {workload.compute_s * 1e3:.1f} ms/step"
+    )
+    print(
+        f"{'method':>16} {'MB out/node':>12} {'MB in/rank':>11} {'comm ms':>9} {'exposed':>9} {'step ms':>9} "
+        f"{'speed-up':>9} {'pays below':>12}"
+    )
     for r in rows:
         cross = r["crossover_bps"]
-        label = "-" if r["method"] == "allreduce" else "always" if cross == math.inf else "never" if cross is None \
-            else f"{cross / 1e9:.3g} Gbit/s"  # fmt: skip
-        print(f"{r['method']:>16} {r['between_bytes_per_node'] / 1e6:>12.2f} {r['inside_bytes_per_rank'] / 1e6:>11.2f} "
-              f"{r['comm_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} "
-              f"{r['speedup']:>8.2f}x {label:>12}")  # fmt: skip
+        label = (
+            "-"
+            if r["method"] == "allreduce"
+            else "always"
+            if cross == math.inf
+            else "never"
+            if cross is None
+            else f"{cross / 1e9:.3g} Gbit/s"
+        )
+        print(
+            f"{r['method']:>16} {r['between_bytes_per_node'] / 1e6:>12.2f} {r['inside_bytes_per_rank'] / 1e6:>11.2f} "
+            f"{r['comm_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} "
+            f"{r['speedup']:>8.2f}x {label:>12}"
+        )
     if workload.overlap:
-        print(f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
-              f"{workload.buckets} bucket(s) of {workload.bucket_bytes / 2**20:g} MB (not the node-aware votes' "
-              "gather in the node, nor a round); --no-overlap: all of it, the upper bound")  # fmt: skip
+        print(
+            f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
+            f"{workload.buckets} bucket(s) of {workload.bucket_bytes / 2**20:g} MB (not the node-aware votes' "
+            "gather in the node, nor a round); --no-overlap: all of it, the upper bound"
+        )
     if any(r["method"].startswith("diloco") for r in rows):
-        print(f"diloco_*: the node's all-reduce every step and a round every {workload.period} steps (--period), its "
-              f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
-              "per step only: how many more steps rounds need to reach a loss is not modelled (measure it: train)")  # fmt: skip
+        print(
+            f"diloco_*: the node's all-reduce every step and a round every {workload.period} steps (--period), its "
+            f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
+            "per step only: how many more steps rounds need to reach a loss is not modelled (measure it: train)"
+        )
 
 
 OVERLAP_WORDS = {
     True: "backward (2/3 of the compute) hiding DDP's bucketed communication of 25 MB buckets (not the node-aware "
-          "votes' blocking gather in the node, nor a round)",
+    "votes' blocking gather in the node, nor a round)",
     False: "no overlap of communication with backward (an upper bound)",
 }
 
@@ -101,8 +130,9 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
     for name in PROJECTION["models"]:
         params, matrices = model_shapes(name)
         compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
-        workload = Workload(params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12,
-                            overlap=overlap)  # fmt: skip
+        workload = Workload(
+            params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12, overlap=overlap
+        )
         for gbit in PROJECTION["links_gbit"]:
             for nodes in PROJECTION["nodes"]:
                 cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
@@ -111,16 +141,35 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
                 base = min(predict(m, cluster, workload)["step_s"] for m in ("allreduce", "allreduce_node"))
                 for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"):
                     step = predict(method, cluster, workload)["step_s"]
-                    rows.append({"model": name, "link_gbit": gbit, "nodes": nodes, "method": method,
-                                 "step_s": step, "speedup": base / step, "baseline_step_s": base})  # fmt: skip
+                    rows.append(
+                        {
+                            "model": name,
+                            "link_gbit": gbit,
+                            "nodes": nodes,
+                            "method": method,
+                            "step_s": step,
+                            "speedup": base / step,
+                            "baseline_step_s": base,
+                        }
+                    )
     print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
-    for method, label in (("signsgd_mv_node", "signSGD-MV / Signum-MV"), ("signmuon_node", "SignMuon"),
-                          ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only")):  # fmt: skip
-        print(f"{'model':>9} {'link':>9} " + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
-              + f"   (nodes; {label}, node-aware, step speed-up over the faster fp32 all-reduce, ring or two-level)")  # fmt: skip
+    for method, label in (
+        ("signsgd_mv_node", "signSGD-MV / Signum-MV"),
+        ("signmuon_node", "SignMuon"),
+        ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only"),
+    ):
+        print(
+            f"{'model':>9} {'link':>9} "
+            + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
+            + f"   (nodes; {label}, node-aware, step speed-up over the faster fp32 all-reduce, ring or two-level)"
+        )
         for name in PROJECTION["models"]:
             for gbit in PROJECTION["links_gbit"]:
-                cells = [r["speedup"] for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
+                cells = [
+                    r["speedup"]
+                    for r in rows
+                    if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method
+                ]
                 print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
     if plot:
         _plot(rows, plot)
@@ -133,21 +182,30 @@ def _plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PROJECTION["links_gbit"]), figsize=(5 * len(PROJECTION["links_gbit"]), 4), sharey=True)
+    fig, axes = plt.subplots(
+        1, len(PROJECTION["links_gbit"]), figsize=(5 * len(PROJECTION["links_gbit"]), 4), sharey=True
+    )
     for ax, gbit in zip(axes, PROJECTION["links_gbit"]):
         for color, name in enumerate(PROJECTION["models"]):
             for method, style, label in (("signsgd_mv_node", "-", "Signum-MV"), ("signmuon_node", "--", "SignMuon")):
                 cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
-                ax.plot([r["nodes"] for r in cells], [r["speedup"] for r in cells], style, marker="o",
-                        color=f"C{color}", label=f"{name}, {label}")  # fmt: skip
+                ax.plot(
+                    [r["nodes"] for r in cells],
+                    [r["speedup"] for r in cells],
+                    style,
+                    marker="o",
+                    color=f"C{color}",
+                    label=f"{name}, {label}",
+                )
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{gbit} Gbit/s per GPU between nodes")
         ax.set_xlabel("nodes of 8 GPUs")
     axes[0].set_ylabel("step speed-up over the faster fp32 all-reduce")
     axes[0].legend(fontsize="small", ncol=2)
-    fig.suptitle("Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model "
-                 "(assumptions in the README)")
+    fig.suptitle(
+        "Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model (assumptions in the README)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -171,7 +229,11 @@ UNCROWDED_LAYOUTS = ((2, 1, ("allreduce", "fp16_allreduce", "signsgd_mv", "signu
 
 
 def validate(
-    rates=("30mbit", "100mbit", "1gbit"), base="10gbit", width: int = 512, steps: int = 8, repeats: int = 1,
+    rates=("30mbit", "100mbit", "1gbit"),
+    base="10gbit",
+    width: int = 512,
+    steps: int = 8,
+    repeats: int = 1,
     layouts=VALIDATION_LAYOUTS,
 ) -> list[dict]:
     """Predicted against measured step time under ``netem`` (root), per layout of ``layouts``.
@@ -185,17 +247,23 @@ def validate(
     the ranks' sharing of cores, which a slow link partly undoes (ranks that wait on the link
     leave the cores to the others), so the model over-predicts there."""
     rows = median_rows([_validation_pass(rates, base, width, steps, layouts) for _ in range(repeats)])
-    print(f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}"
-          + ("  each pass" if repeats > 1 else ""))  # fmt: skip
+    print(
+        f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}"
+        + ("  each pass" if repeats > 1 else "")
+    )
     for r in rows:
         passes = "  " + " ".join(f"{x:.2f}" for x in r["pass_ratios"]) if repeats > 1 else ""
-        print(f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
-              f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f}{passes}")  # fmt: skip
+        print(
+            f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
+            f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f}{passes}"
+        )
     for world_size in sorted({r["world_size"] for r in rows}, reverse=True):
         mine = [r for r in rows if r["world_size"] == world_size]
         within = sum(abs(r["ratio"] - 1) <= 0.2 for r in mine)
-        print(f"{within} of {len(mine)} points on {world_size} ranks within 20%"
-              + (f" (medians of {repeats} passes)" if repeats > 1 else ""))  # fmt: skip
+        print(
+            f"{within} of {len(mine)} points on {world_size} ranks within 20%"
+            + (f" (medians of {repeats} passes)" if repeats > 1 else "")
+        )
     return rows
 
 
@@ -206,13 +274,22 @@ def median_rows(passes: list[list[dict]]) -> list[dict]:
     rows = []
     for i, first in enumerate(passes[0]):
         points = [p[i] for p in passes]
-        if any((q["layout"], q["method"], q["rate"]) != (first["layout"], first["method"], first["rate"]) for q in points):
+        if any(
+            (q["layout"], q["method"], q["rate"]) != (first["layout"], first["method"], first["rate"]) for q in points
+        ):
             raise ValueError("the validation passes list their points in different orders")
         predicted = statistics.median(q["predicted_s"] for q in points)
         measured = statistics.median(q["measured_s"] for q in points)
-        row = {"layout": first["layout"], "world_size": first["world_size"], "method": first["method"],
-               "rate": first["rate"], "predicted_s": predicted, "measured_s": measured, "ratio": predicted / measured,
-               "pass_ratios": [q["predicted_s"] / q["measured_s"] for q in points]}  # fmt: skip
+        row = {
+            "layout": first["layout"],
+            "world_size": first["world_size"],
+            "method": first["method"],
+            "rate": first["rate"],
+            "predicted_s": predicted,
+            "measured_s": measured,
+            "ratio": predicted / measured,
+            "pass_ratios": [q["predicted_s"] / q["measured_s"] for q in points],
+        }
         for inputs in ("bytes_crossing", "base_s"):  # the model's inputs, where the passes give them
             if all(inputs in q for q in points):
                 row[inputs] = statistics.median(q[inputs] for q in points)
@@ -227,9 +304,29 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
     for world_size, per_node, methods in layouts:
         measured = {}
         for rate in (base, *rates):
-            report = netem.main(["--world-size", str(world_size), "--ranks-per-node", str(per_node), "--rate", rate, "--",
-                                 "ddp-step", "--width", str(width), "--depth", "2", "--steps", str(steps), "--warmup", "3",
-                                 "--methods", *methods] + (["--ranks-per-node", str(per_node)] if per_node > 1 else []))  # fmt: skip
+            report = netem.main(
+                [
+                    "--world-size",
+                    str(world_size),
+                    "--ranks-per-node",
+                    str(per_node),
+                    "--rate",
+                    rate,
+                    "--",
+                    "ddp-step",
+                    "--width",
+                    str(width),
+                    "--depth",
+                    "2",
+                    "--steps",
+                    str(steps),
+                    "--warmup",
+                    "3",
+                    "--methods",
+                    *methods,
+                ]
+                + (["--ranks-per-node", str(per_node)] if per_node > 1 else [])
+            )
             measured[rate] = {r["method"]: r for r in report["rows"]}
         for method in methods:
             reference = measured[base][method]
@@ -239,18 +336,32 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                 crossing = reference["bytes_per_rank"]
             for rate in rates:
                 idle = reference["step_s"]  # the base step: compute, kernels and a fast link's short wire time
-                predicted = reference["step_s"] + wire_seconds(crossing, rate, idle) - wire_seconds(crossing, base, idle)
+                predicted = (
+                    reference["step_s"] + wire_seconds(crossing, rate, idle) - wire_seconds(crossing, base, idle)
+                )
                 got = measured[rate][method]["step_s"]
-                rows.append({"layout": f"{world_size // per_node}x{per_node}", "world_size": world_size, "method": method,
-                             "rate": rate, "bytes_crossing": crossing, "base_s": reference["step_s"],
-                             "predicted_s": predicted, "measured_s": got, "ratio": predicted / got})  # fmt: skip
+                rows.append(
+                    {
+                        "layout": f"{world_size // per_node}x{per_node}",
+                        "world_size": world_size,
+                        "method": method,
+                        "rate": rate,
+                        "bytes_crossing": crossing,
+                        "base_s": reference["step_s"],
+                        "predicted_s": predicted,
+                        "measured_s": got,
+                        "ratio": predicted / got,
+                    }
+                )
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = command_parser("plan", __doc__)
     parser.add_argument("--model", choices=sorted(GPT_SIZES), help="a GPT-style model (parameters and matrix shapes)")
-    parser.add_argument("--params", type=float, help="parameters, if not --model (matrices: none; PowerSGD and NS omitted)")
+    parser.add_argument(
+        "--params", type=float, help="parameters, if not --model (matrices: none; PowerSGD and NS omitted)"
+    )
     parser.add_argument("--nodes", type=positive_int, default=2)
     parser.add_argument("--ranks-per-node", type=positive_int, default=8)
     parser.add_argument("--link", default="100gbit", help="bandwidth of one NIC between nodes (tc units)")
@@ -266,34 +377,55 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ns-tflops", type=float, default=200.0, help="Newton–Schulz throughput")
     parser.add_argument("--zero-bits", type=float, default=0.0, help="extra bits per entry for the vote's zeros")
     parser.add_argument("--period", type=positive_int, default=32, help="H: local steps per round (diloco_*)")
-    parser.add_argument("--round-bits", type=float, default=1.0,
-                        help="bits per entry of a one-bit round between nodes (diloco_vote_node; 1.17 with 8-bit "
-                             "scales per 64 entries on 2 nodes)")  # fmt: skip
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="no communication hidden behind backward (the upper bound; default: DDP's overlap)")
-    parser.add_argument("--backward-share", type=float, default=Workload.backward_share,
-                        help="the part of the compute that is backward")
-    parser.add_argument("--bucket-mb", type=float, default=Workload.bucket_bytes / 2**20,
-                        help="DDP's bucket_cap_mb (the number of buckets)")
+    parser.add_argument(
+        "--round-bits",
+        type=float,
+        default=1.0,
+        help="bits per entry of a one-bit round between nodes (diloco_vote_node; 1.17 with 8-bit "
+        "scales per 64 entries on 2 nodes)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="no communication hidden behind backward (the upper bound; default: DDP's overlap)",
+    )
+    parser.add_argument(
+        "--backward-share", type=float, default=Workload.backward_share, help="the part of the compute that is backward"
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=Workload.bucket_bytes / 2**20,
+        help="DDP's bucket_cap_mb (the number of buckets)",
+    )
     parser.add_argument("--methods", nargs="+", default=list(PLAN_METHODS), choices=PLAN_METHODS)
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
     parser.add_argument("--validate", action="store_true", help="predicted vs measured under netem (root)")
     parser.add_argument("--repeats", type=positive_int, default=1, help="with --validate: passes, medians per point")
-    parser.add_argument("--uncrowded", action="store_true",
-                        help="with --validate: also the flat points on 2 ranks (no more ranks than a 2-core machine's cores)")
+    parser.add_argument(
+        "--uncrowded",
+        action="store_true",
+        help="with --validate: also the flat points on 2 ranks (no more ranks than a 2-core machine's cores)",
+    )
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     if (args.repeats != 1 or args.uncrowded) and not args.validate:
         parser.error("--repeats and --uncrowded apply to --validate")
     if (args.projection or args.validate) and (args.period != 32 or args.round_bits != 1.0):
-        parser.error("--period and --round-bits describe a cluster you plan (--model or --params); the projection "
-                     "and the validation use their own settings")  # fmt: skip
-    overlap_inputs = (args.backward_share, args.bucket_mb) != (parser.get_default("backward_share"),
-                                                              parser.get_default("bucket_mb"))  # fmt: skip
+        parser.error(
+            "--period and --round-bits describe a cluster you plan (--model or --params); the projection "
+            "and the validation use their own settings"
+        )
+    overlap_inputs = (args.backward_share, args.bucket_mb) != (
+        parser.get_default("backward_share"),
+        parser.get_default("bucket_mb"),
+    )
     if args.validate and (args.no_overlap or overlap_inputs):
-        parser.error("--no-overlap, --backward-share and --bucket-mb describe a model; the validation predicts "
-                     "from a measured step")  # fmt: skip
+        parser.error(
+            "--no-overlap, --backward-share and --bucket-mb describe a model; the validation predicts "
+            "from a measured step"
+        )
     if args.projection and overlap_inputs:
         parser.error("the projection uses its own backward share and buckets (--no-overlap applies)")
     if not 0 <= args.backward_share <= 1:
@@ -303,14 +435,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.projection:
         rows = projection(args.plot, overlap=not args.no_overlap)
     elif args.validate:
-        rows = validate(repeats=args.repeats, layouts=VALIDATION_LAYOUTS + (UNCROWDED_LAYOUTS if args.uncrowded else ()))
+        rows = validate(
+            repeats=args.repeats, layouts=VALIDATION_LAYOUTS + (UNCROWDED_LAYOUTS if args.uncrowded else ())
+        )
     else:
         if (args.model is None) == (args.params is None):
             parser.error("give --model or --params (one of them)")
         if not (math.isfinite(args.round_bits) and args.round_bits >= 1):
             parser.error(f"--round-bits {args.round_bits} must be at least 1 (the signs)")
         params, matrices = model_shapes(args.model) if args.model else (int(args.params), ())
-        compute = args.compute_ms / 1e3 if args.compute_ms is not None else 6 * params * args.tokens_per_rank / (args.tflops * 1e12)
+        compute = (
+            args.compute_ms / 1e3
+            if args.compute_ms is not None
+            else 6 * params * args.tokens_per_rank / (args.tflops * 1e12)
+        )
         kernel = args.kernel_gbps * 1e9
         if args.measure_kernels:
             import torch
@@ -320,13 +458,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
             t = measure(1 << 22, 2, torch.device("cpu"))
             kernel = 4 * (1 << 22) / (t["pack"] + t["vote"] + t["unpack"])
         try:
-            cluster = Cluster(args.nodes, args.ranks_per_node, parse_rate(args.link), args.nics_per_node,
-                              args.latency_us * 1e-6, parse_rate(args.intra_link), args.intra_latency_us * 1e-6)  # fmt: skip
+            cluster = Cluster(
+                args.nodes,
+                args.ranks_per_node,
+                parse_rate(args.link),
+                args.nics_per_node,
+                args.latency_us * 1e-6,
+                parse_rate(args.intra_link),
+                args.intra_latency_us * 1e-6,
+            )
         except ValueError as error:
             parser.error(str(error))
-        workload = Workload(params, compute, matrices, kernel, args.ns_tflops * 1e12, args.zero_bits, args.period,
-                            args.round_bits, overlap=not args.no_overlap, backward_share=args.backward_share,
-                            bucket_bytes=args.bucket_mb * 2**20)  # fmt: skip
+        workload = Workload(
+            params,
+            compute,
+            matrices,
+            kernel,
+            args.ns_tflops * 1e12,
+            args.zero_bits,
+            args.period,
+            args.round_bits,
+            overlap=not args.no_overlap,
+            backward_share=args.backward_share,
+            bucket_bytes=args.bucket_mb * 2**20,
+        )
         rows = _table(cluster, workload, args.methods)
         _print(rows, cluster, workload)
     if args.json:

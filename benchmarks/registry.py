@@ -38,7 +38,9 @@ METHODS: dict[str, MethodInfo] = {
     "powersgd_r4": MethodInfo("PowerSGD, rank 4", (_COLLECTIVE,)),
     "ef_1bit": MethodInfo("error-feedback scaled signs (1-bit Adam's compressed_allreduce)", (_COLLECTIVE,)),
     # the vote
-    "signsgd_mv": MethodInfo("majority vote of the gradients' signs, fast ties (one bit per entry)", (_COLLECTIVE, _DDP, _TRAIN, _DS)),
+    "signsgd_mv": MethodInfo(
+        "majority vote of the gradients' signs, fast ties (one bit per entry)", (_COLLECTIVE, _DDP, _TRAIN, _DS)
+    ),
     "signsgd_mv_exact": MethodInfo("the same vote with tie='exact' (ties vote 0)", (_COLLECTIVE,)),
     "signsgd_mv_allgather": MethodInfo("the vote by one all-gather of every rank's packed signs", (_COLLECTIVE,)),
     "signsgd_mv_node": MethodInfo("node-aware vote: fp32 inside a node, one bit between nodes", (_COLLECTIVE, _DDP)),

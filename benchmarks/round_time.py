@@ -32,9 +32,13 @@ def measure(entries: int, tensors: int, block: int, rule: str, repeats: int, dev
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = command_parser("round-time", __doc__)
     parser.add_argument("--entries", type=positive_int, default=50_000_000)
-    parser.add_argument("--tensors", type=positive_int, default=100, help="tensors the entries split into (default: %(default)s)")
+    parser.add_argument(
+        "--tensors", type=positive_int, default=100, help="tensors the entries split into (default: %(default)s)"
+    )
     parser.add_argument("--block", type=positive_int, default=64)
-    parser.add_argument("--rules", nargs="+", default=["sign_vote", "sign_vote_ef"], choices=["sign_vote", "sign_vote_ef"])
+    parser.add_argument(
+        "--rules", nargs="+", default=["sign_vote", "sign_vote_ef"], choices=["sign_vote", "sign_vote_ef"]
+    )
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for rule in args.rules:
         whole = measure(args.entries, args.tensors, 0, rule, args.repeats, device)
         blocks = measure(args.entries, args.tensors, args.block, rule, args.repeats, device)
-        rows.append({"rule": rule, "block": args.block, "per_tensor_s": whole, "block_s": blocks, "ratio": blocks / whole})
+        rows.append(
+            {"rule": rule, "block": args.block, "per_tensor_s": whole, "block_s": blocks, "ratio": blocks / whole}
+        )
         print(f"{rule:>13} {whole:>13.3f} {blocks:>12.3f} {blocks / whole:>6.2f}")
     return rows
 

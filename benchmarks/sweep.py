@@ -45,7 +45,9 @@ def aggregate(grid: list[dict]) -> dict[str, dict]:
 
 
 def print_summary(summary: dict[str, dict], task: str, world_size: int, steps: int) -> None:
-    print(f"learning-rate sweep: task={task}, world_size={world_size}, steps={steps}; final validation loss, mean ± std")
+    print(
+        f"learning-rate sweep: task={task}, world_size={world_size}, steps={steps}; final validation loss, mean ± std"
+    )
     scales = sorted({s for v in summary.values() for s in v["scales"]})
     print(f"{'method':>18} " + " ".join(f"{'x' + format(s, 'g'):>15}" for s in scales) + f" {'tuned':>7}")
     for method, v in summary.items():
@@ -60,11 +62,15 @@ def print_summary(summary: dict[str, dict], task: str, world_size: int, steps: i
 def main(argv: list[str] | None = None) -> dict:
     parser = command_parser("sweep", __doc__, methods="train", default_methods=["adamw", "signum_mv", "signmuon"])
     parser.add_argument("--task", default="digits", choices=sorted(TASKS), help="(default: %(default)s)")
-    parser.add_argument("--lr-scales", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0], help="(default: %(default)s)")
+    parser.add_argument(
+        "--lr-scales", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0], help="(default: %(default)s)"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="(default: %(default)s)")
     parser.add_argument("--world-size", type=positive_int, default=4, help="(default: %(default)s)")
     parser.add_argument("--steps", type=positive_int, default=TrainConfig.steps, help="(default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=TrainConfig.batch_size, help="(default: %(default)s)")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=TrainConfig.batch_size, help="(default: %(default)s)"
+    )
     parser.add_argument("--json", help="write the grid, the summary and the command line here")
     args = parse_methods(parser, argv)
     if any(not (s > 0 and math.isfinite(s)) for s in args.lr_scales):
@@ -75,16 +81,36 @@ def main(argv: list[str] | None = None) -> dict:
     for scale in args.lr_scales:
         for seed in args.seeds:
             # Factors on each method's default learning rate, not on an earlier sweep's choice.
-            config = TrainConfig(task=args.task, steps=args.steps, eval_every=args.steps, batch_size=args.batch_size,
-                                 seed=seed, lr_scale=scale, tuned_lr=False)  # fmt: skip
+            config = TrainConfig(
+                task=args.task,
+                steps=args.steps,
+                eval_every=args.steps,
+                batch_size=args.batch_size,
+                seed=seed,
+                lr_scale=scale,
+                tuned_lr=False,
+            )
             for result in run(args.methods, args.world_size, config):
                 final = result["log"][-1]
-                grid.append({"method": result["method"], "lr_scale": scale, "seed": seed, "test_loss": final["test_loss"],
-                             "test_acc": final["test_acc"], "step_ms": result["step_ms"]})  # fmt: skip
+                grid.append(
+                    {
+                        "method": result["method"],
+                        "lr_scale": scale,
+                        "seed": seed,
+                        "test_loss": final["test_loss"],
+                        "test_acc": final["test_acc"],
+                        "step_ms": result["step_ms"],
+                    }
+                )
     summary = aggregate(grid)
     print_summary(summary, args.task, args.world_size, args.steps)
-    fields = {"task": args.task, "world_size": args.world_size, "steps": args.steps, "grid": grid,
-              "summary": {m: {**v, "scales": {str(s): c for s, c in v["scales"].items()}} for m, v in summary.items()}}  # fmt: skip
+    fields = {
+        "task": args.task,
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "grid": grid,
+        "summary": {m: {**v, "scales": {str(s): c for s, c in v["scales"].items()}} for m, v in summary.items()},
+    }
     return write_report("sweep", argv, fields, args.json)
 
 

@@ -88,10 +88,16 @@ def digits_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def digits_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def digits_task(seed: int = 0, data_dir: str | None = None) -> Task:
@@ -190,9 +196,12 @@ class _BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
-        )  # fmt: skip
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
         self.skip = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -204,10 +213,15 @@ class _Bottleneck(nn.Module):
         super().__init__()
         cout = 4 * width
         self.body = nn.Sequential(
-            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
-        )  # fmt: skip
+            nn.Conv2d(cin, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
         self.skip = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,8 +234,11 @@ def _resnet(blocks: tuple[int, ...], bottleneck: bool, classes: int) -> nn.Modul
     cin = 64
     for width, stride, count in zip((64, 128, 256, 512), (1, 2, 2, 2), blocks):
         for i in range(count):
-            block = _Bottleneck(cin, width, stride if i == 0 else 1) if bottleneck else _BasicBlock(
-                cin, width, stride if i == 0 else 1)  # fmt: skip
+            block = (
+                _Bottleneck(cin, width, stride if i == 0 else 1)
+                if bottleneck
+                else _BasicBlock(cin, width, stride if i == 0 else 1)
+            )
             layers.append(block)
             cin = 4 * width if bottleneck else width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
@@ -278,7 +295,9 @@ def cifar10_task(seed: int = 0, data_dir: str | None = None, arch: str = "resnet
 TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "charlm": charlm_task, "cifar10": cifar10_task}
 
 
-def make_task(name: str, seed: int = 0, data_dir: str | None = None, arch: str = "resnet18", size: str = "small") -> Task:
+def make_task(
+    name: str, seed: int = 0, data_dir: str | None = None, arch: str = "resnet18", size: str = "small"
+) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose from {sorted(TASKS)}")
     if name == "charlm":

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.cli import check_device, command_parser, parse_methods, network_label, positive_int
+from signmuon.benchmarks.cli import check_device, command_parser, network_label, parse_methods, positive_int
 from signmuon.benchmarks.curves import seed_summary
 from signmuon.benchmarks.launch import (
     end_torchrun_process,
@@ -33,12 +33,17 @@ from signmuon.benchmarks.launch import (
     torchrun_group,
     under_torchrun,
 )
-from signmuon.benchmarks.train_report import (
-    by_method, print_projection, print_summary, print_table, print_time_split, write_curves,
-)
-from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
-from signmuon.benchmarks.tuned import SWEEPS, borrowed_lr_scale, tuned_lr_scale
 from signmuon.benchmarks.methods import FSDP_METHODS, METHODS, STRATEGIES, Setup, TrainConfig
+from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS, evaluate, loss_fn, make_task
+from signmuon.benchmarks.train_report import (
+    by_method,
+    print_projection,
+    print_summary,
+    print_table,
+    print_time_split,
+    write_curves,
+)
+from signmuon.benchmarks.tuned import SWEEPS, borrowed_lr_scale, tuned_lr_scale
 from signmuon.comm_hooks.dist import group_device, mean_all_reduce
 from signmuon.comm_hooks.kernels import warm_up
 from signmuon.comm_hooks.vote import ZERO_RULES
@@ -83,7 +88,9 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     task = make_task(config.task, config.seed, config.data_dir, arch=config.arch, size=config.size)
     device = torch.device(config.device)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())  # ranks may share a GPU
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        )  # ranks may share a GPU
         torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
     swept_task = task.name if config.size == "small" else ""
@@ -124,9 +131,14 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
             progress.update()
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             eval_start = time.perf_counter()
-            entry = {"step": step + 1, "time_s": eval_start - wall_start - eval_seconds, "bytes": setup.stats.bytes_sent,
-                     "bytes_between_nodes": setup.stats.bytes_sent_between_nodes,
-                     "train_loss": loss.item(), **evaluate(model, task)}  # fmt: skip
+            entry = {
+                "step": step + 1,
+                "time_s": eval_start - wall_start - eval_seconds,
+                "bytes": setup.stats.bytes_sent,
+                "bytes_between_nodes": setup.stats.bytes_sent_between_nodes,
+                "train_loss": loss.item(),
+                **evaluate(model, task),
+            }
             if setup.averager is not None:
                 # Workers differ between rounds: report the consensus and the mean worker.
                 entry["worker_acc"] = mean_over_workers(entry["test_acc"])
@@ -235,35 +247,85 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[TrainConfig.seed],
-                        help="one run per seed; several give mean ± std and bands (default: %(default)s)")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[TrainConfig.seed],
+        help="one run per seed; several give mean ± std and bands (default: %(default)s)",
+    )
     parser.add_argument("--size", default="small", choices=sorted(CHARLM_SIZES), help="charlm's model size")
-    parser.add_argument("--target-loss", type=float, default=None,
-                        help="report time and steps to this test loss (default: adamw's final loss, if run)")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="report time and steps to this test loss (default: adamw's final loss, if run)",
+    )
     parser.add_argument("--byzantine", type=int, default=0, help="ranks 0..k-1 send flipped signs")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="L for the *_node methods and --strategy fsdp (default: torchrun's LOCAL_WORLD_SIZE)")
-    parser.add_argument("--vote-zeros", default="abstain", choices=ZERO_RULES,
-                        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)")
-    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
-                        help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank; "
-                        f"{', '.join(m for m in FSDP_METHODS if m != 'adamw' and not m.startswith('diloco'))} over each node, "
-                        f"voting between nodes; {', '.join(m for m in FSDP_METHODS if m.startswith('diloco'))} over each node, "
-                        "rounds between nodes)")
-    parser.add_argument("--outer-lr", type=float, default=TrainConfig.outer_lr,
-                        help="the DiLoCo methods' outer learning rate (default: %(default)s, DiLoCo's)")
-    parser.add_argument("--outer-momentum", type=float, default=TrainConfig.outer_momentum,
-                        help="the DiLoCo methods' outer Nesterov momentum (default: %(default)s, DiLoCo's)")
-    parser.add_argument("--outer-scale-block", type=int, default=0,
-                        help="entries per scale of the one-bit rounds' voted signs (0: one scale per tensor)")
-    parser.add_argument("--outer-scale-bits", type=int, choices=[32, 16, 8], default=TrainConfig.outer_scale_bits,
-                        help="bits those scales travel in: 32 (float32), 16 (bfloat16), 8 (a log-grid code)")
-    parser.add_argument("--clip-grad-norm", type=float, default=None,
-                        help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)")
-    parser.add_argument("--lr-scale", type=float, default=1.0,
-                        help="multiply every method's learning rates (default: %(default)s; see the sweep command)")
-    parser.add_argument("--untuned", dest="tuned_lr", action="store_false",
-                        help="each method's default learning rate instead of the sweep's tuned one (benchmarks/tuned.py)")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="L for the *_node methods and --strategy fsdp (default: torchrun's LOCAL_WORLD_SIZE)",
+    )
+    parser.add_argument(
+        "--vote-zeros",
+        default="abstain",
+        choices=ZERO_RULES,
+        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)",
+    )
+    parser.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=STRATEGIES,
+        help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank; "
+        f"{', '.join(m for m in FSDP_METHODS if m != 'adamw' and not m.startswith('diloco'))} over each node, "
+        f"voting between nodes; {', '.join(m for m in FSDP_METHODS if m.startswith('diloco'))} over each node, "
+        "rounds between nodes)",
+    )
+    parser.add_argument(
+        "--outer-lr",
+        type=float,
+        default=TrainConfig.outer_lr,
+        help="the DiLoCo methods' outer learning rate (default: %(default)s, DiLoCo's)",
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=TrainConfig.outer_momentum,
+        help="the DiLoCo methods' outer Nesterov momentum (default: %(default)s, DiLoCo's)",
+    )
+    parser.add_argument(
+        "--outer-scale-block",
+        type=int,
+        default=0,
+        help="entries per scale of the one-bit rounds' voted signs (0: one scale per tensor)",
+    )
+    parser.add_argument(
+        "--outer-scale-bits",
+        type=int,
+        choices=[32, 16, 8],
+        default=TrainConfig.outer_scale_bits,
+        help="bits those scales travel in: 32 (float32), 16 (bfloat16), 8 (a log-grid code)",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        help="clip_grad_norm_(max_norm) before each step, as nanoGPT does (default: off)",
+    )
+    parser.add_argument(
+        "--lr-scale",
+        type=float,
+        default=1.0,
+        help="multiply every method's learning rates (default: %(default)s; see the sweep command)",
+    )
+    parser.add_argument(
+        "--untuned",
+        dest="tuned_lr",
+        action="store_false",
+        help="each method's default learning rate instead of the sweep's tuned one (benchmarks/tuned.py)",
+    )
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--csv", help="write every evaluation (step, time, bytes, losses, accuracy) as CSV")
@@ -275,8 +337,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         parser.error(f"--clip-grad-norm {args.clip_grad_norm} must be > 0")
     if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1 or args.outer_scale_block < 0:
-        parser.error(f"--outer-lr {args.outer_lr} must be > 0, --outer-momentum {args.outer_momentum} in [0, 1) "
-                     f"and --outer-scale-block {args.outer_scale_block} >= 0")
+        parser.error(
+            f"--outer-lr {args.outer_lr} must be > 0, --outer-momentum {args.outer_momentum} in [0, 1) "
+            f"and --outer-scale-block {args.outer_scale_block} >= 0"
+        )
     if not args.lr_scale > 0:
         parser.error(f"--lr-scale {args.lr_scale} must be > 0")
     if args.size != "small" and args.task != "charlm":
@@ -286,25 +350,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed once")
     if args.strategy == "fsdp" and set(args.methods) - set(FSDP_METHODS):
-        parser.error(f"--strategy fsdp trains {sorted(FSDP_METHODS)}; not {sorted(set(args.methods) - set(FSDP_METHODS))}")
+        parser.error(
+            f"--strategy fsdp trains {sorted(FSDP_METHODS)}; not {sorted(set(args.methods) - set(FSDP_METHODS))}"
+        )
     if args.strategy == "fsdp" and args.ranks_per_node is None and not under_torchrun():
         parser.error("--strategy fsdp shards over each node: pass --ranks-per-node L")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must be >= 1 and divide --world-size {args.world_size}")
     config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, byzantine=args.byzantine, size=args.size,
-        eval_every=args.eval_every, task=args.task, data_dir=args.data_dir, device=args.device, arch=args.arch,
-        progress=args.progress, ranks_per_node=args.ranks_per_node, clip_grad_norm=args.clip_grad_norm,
-        lr_scale=args.lr_scale, tuned_lr=args.tuned_lr, strategy=args.strategy, vote_zeros=args.vote_zeros,
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, outer_scale_block=args.outer_scale_block,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        byzantine=args.byzantine,
+        size=args.size,
+        eval_every=args.eval_every,
+        task=args.task,
+        data_dir=args.data_dir,
+        device=args.device,
+        arch=args.arch,
+        progress=args.progress,
+        ranks_per_node=args.ranks_per_node,
+        clip_grad_norm=args.clip_grad_norm,
+        lr_scale=args.lr_scale,
+        tuned_lr=args.tuned_lr,
+        strategy=args.strategy,
+        vote_zeros=args.vote_zeros,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        outer_scale_block=args.outer_scale_block,
         outer_scale_bits=args.outer_scale_bits,
-    )  # fmt: skip
+    )
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():
         results = [
-            r for seed in args.seeds
+            r
+            for seed in args.seeds
             for r in run(args.methods, args.world_size, dataclasses.replace(config, seed=seed), valley=args.valley)
-        ]  # fmt: skip
+        ]
     runs_by_method = by_method(results)
     target = args.target_loss
     if target is None and "adamw" in runs_by_method:  # the quality the full-precision baseline reaches
@@ -318,14 +399,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             print_summary(summaries, results, target)
         print_time_split(results)
-        print("lr x: factor on the method's default learning rate; * = tuned by the learning-rate sweep "
-              f"(benchmarks/results/{SWEEPS.get(results[0]['task'].split('-')[0], 'none')}); ~ = its factor for the "
-              "same optimizer")  # fmt: skip
+        print(
+            "lr x: factor on the method's default learning rate; * = tuned by the learning-rate sweep "
+            f"(benchmarks/results/{SWEEPS.get(results[0]['task'].split('-')[0], 'none')}); ~ = its factor for the "
+            "same optimizer"
+        )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),
-                           "target_loss": target, "summary": summaries,
-                           "runs": [{k: v for k, v in r.items() if k != "final_state"} for r in results]}, f, indent=1)  # fmt: skip
+                json.dump(
+                    {
+                        "command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),
+                        "target_loss": target,
+                        "summary": summaries,
+                        "runs": [{k: v for k, v in r.items() if k != "final_state"} for r in results],
+                    },
+                    f,
+                    indent=1,
+                )
         write_curves(results, args.csv, args.plot)
     return results
 

@@ -16,7 +16,9 @@ def print_time_split(results: list[dict]) -> None:
     """Per method, the mean over seeds of the step's time split (``train.time_split``)."""
     fields = ("step", "forward_backward_rest", "newton_schulz", "pack_vote_unpack", "network_wait")
     print("where a step's time goes, ms (mean per step; '-': not ours to time)")
-    print(f"{'method':>16} {'step':>8} {'fwd+bwd+rest':>13} {'Newton-Schulz':>14} {'pack+vote+unpack':>17} {'network wait':>13}")
+    print(
+        f"{'method':>16} {'step':>8} {'fwd+bwd+rest':>13} {'Newton-Schulz':>14} {'pack+vote+unpack':>17} {'network wait':>13}"
+    )
     for method, runs in by_method(results).items():
         cells = []
         for field in fields:
@@ -30,7 +32,18 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
     """Every evaluation of every run as CSV rows, and test loss vs step / bytes / time as PNG
     (one line per method: the mean over seeds, with a ±1 std band when there are several)."""
     if csv_path:
-        fields = ["method", "seed", "step", "time_s", "bytes", "bytes_between_nodes", "train_loss", "test_loss", "test_acc", "worker_acc"]
+        fields = [
+            "method",
+            "seed",
+            "step",
+            "time_s",
+            "bytes",
+            "bytes_between_nodes",
+            "train_loss",
+            "test_loss",
+            "test_acc",
+            "worker_acc",
+        ]
         with open(csv_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
@@ -69,7 +82,9 @@ def write_curves(results: list[dict], csv_path: str | None = None, png_path: str
             first = results[0]
             seeds = len({r.get("seed", 0) for r in results})
             band = f", mean ± std of {seeds} seeds" if seeds > 1 else ""
-            fig.suptitle(f"{first['task']}: {first['world_size']} ranks, {network_label()}: test loss by step, bytes and time{band}")
+            fig.suptitle(
+                f"{first['task']}: {first['world_size']} ranks, {network_label()}: test loss by step, bytes and time{band}"
+            )
         fig.tight_layout()
         fig.savefig(png_path, dpi=110)
         plt.close(fig)
@@ -100,11 +115,14 @@ def print_table(results: list[dict], target: float | None = None) -> None:
     ppl = any("test_ppl" in r for r in results)
     if results:
         first = results[0]
-        print(f"task={first['task']} world_size={first['world_size']} network={network_label()} "
-              f"steps={first['log'][-1]['step']} seed={first.get('seed', 0)}"
-              + (f" target loss={target:.4f}" if target is not None else ""))  # fmt: skip
+        print(
+            f"task={first['task']} world_size={first['world_size']} network={network_label()} "
+            f"steps={first['log'][-1]['step']} seed={first.get('seed', 0)}"
+            + (f" target loss={target:.4f}" if target is not None else "")
+        )
     print(
-        f"{'method':>16} {'lr x':>6} {'test acc':>9} {'worker acc':>10} " + (f"{'test ppl':>9} " if ppl else "")
+        f"{'method':>16} {'lr x':>6} {'test acc':>9} {'worker acc':>10} "
+        + (f"{'test ppl':>9} " if ppl else "")
         + f"{'rounds':>7} {'MB sent/rank':>13} {'vs adamw':>9} {'step ms':>8} {'Inv.MV':>7}"
         + (f" {'s to target':>12} {'steps':>6}" if target is not None else "")
     )
@@ -129,12 +147,17 @@ PROJECTED_RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9, "10 Gbit/s": 10e9}
 def print_projection(results: list[dict], target: float) -> None:
     """Time to ``target`` if each rank had its own link at each of :data:`PROJECTED_RATES`: the
     measured time to target plus the bytes it sent until then at that rate. A projection."""
-    print("projected time to target, s, each rank on its own link (the measured time plus the bytes sent until the "
-          "target at the link's rate; latency and overlap not modelled: a projection, not a measurement)")  # fmt: skip
+    print(
+        "projected time to target, s, each rank on its own link (the measured time plus the bytes sent until the "
+        "target at the link's rate; latency and overlap not modelled: a projection, not a measurement)"
+    )
     print(f"{'method':>16} " + " ".join(f"{name:>11}" for name in PROJECTED_RATES))
     for r in results:
         entry = next((e for e in r["log"] if math.isfinite(e["test_loss"]) and e["test_loss"] <= target), None)
-        cells = ["-" if entry is None else f"{entry['time_s'] + 8 * entry['bytes'] / bps:.1f}" for bps in PROJECTED_RATES.values()]
+        cells = [
+            "-" if entry is None else f"{entry['time_s'] + 8 * entry['bytes'] / bps:.1f}"
+            for bps in PROJECTED_RATES.values()
+        ]
         print(f"{r['method']:>16} " + " ".join(f"{c:>11}" for c in cells))
 
 
@@ -142,15 +165,21 @@ def print_summary(summaries: dict[str, dict], results: list[dict], target: float
     """Several seeds: per method the mean ± std of the final test loss and step time, bytes,
     and how many seeds reach ``target`` in what time and steps (mean ± std of those that do)."""
     first = results[0]
-    print(f"task={first['task']} world_size={first['world_size']} network={network_label()} "
-          f"steps={first['log'][-1]['step']} seeds={summaries[first['method']]['seeds']}"
-          + (f" target loss={target:.4f}" if target is not None else ""))  # fmt: skip
-    print(f"{'method':>16} {'lr x':>6} {'test loss':>17} {'MB sent/rank':>13} {'step ms':>15}"
-          + (f" {'reached':>8} {'s to target':>15} {'steps':>13}" if target is not None else ""))  # fmt: skip
+    print(
+        f"task={first['task']} world_size={first['world_size']} network={network_label()} "
+        f"steps={first['log'][-1]['step']} seeds={summaries[first['method']]['seeds']}"
+        + (f" target loss={target:.4f}" if target is not None else "")
+    )
+    print(
+        f"{'method':>16} {'lr x':>6} {'test loss':>17} {'MB sent/rank':>13} {'step ms':>15}"
+        + (f" {'reached':>8} {'s to target':>15} {'steps':>13}" if target is not None else "")
+    )
     for method, s in summaries.items():
         lr = _lr_cell(next(r for r in results if r["method"] == method))
-        row = (f"{method:>16} {lr:>6} {s['final'][0]:>8.4f} ± {s['final'][1]:<6.4f} {s['bytes_per_rank'][0] / 1e6:>13.3f} "
-               f"{s['step_ms'][0]:>7.2f} ± {s['step_ms'][1]:<5.2f}")  # fmt: skip
+        row = (
+            f"{method:>16} {lr:>6} {s['final'][0]:>8.4f} ± {s['final'][1]:<6.4f} {s['bytes_per_rank'][0] / 1e6:>13.3f} "
+            f"{s['step_ms'][0]:>7.2f} ± {s['step_ms'][1]:<5.2f}"
+        )
         if target is not None:
             t, n = s["time_to_target"], s["steps_to_target"]
             row += f" {s['reached']:>4}/{s['seeds']:<3}"

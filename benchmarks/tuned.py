@@ -45,8 +45,11 @@ def tuned_lr_scale(task: str, method: str) -> float | None:
 # is AdamW's (torch's Muon with AdamW for MuLoCo); their outer step was chosen on seed 0 (benchmarks/results/2026-12-03-local-steps.md).
 SAME_OPTIMIZER: dict[str, str] = {
     "signmuon_node": "signmuon",
-    **{f"{name}_{period}": "adamw" for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef",
-                                                 "dppf_outer") for period in (8, 32)},  # fmt: skip
+    **{
+        f"{name}_{period}": "adamw"
+        for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef", "dppf_outer")
+        for period in (8, 32)
+    },
     **{name: "muon_adamw" for name in ("muloco_8", "muloco_32", "muloco_vote_ef_8", "muloco_vote_ef_32")},
 }
 

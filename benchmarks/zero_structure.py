@@ -46,8 +46,17 @@ def zero_structure(tensors: list[torch.Tensor]) -> dict[str, float]:
     """Fractions of all entries that are zero, in a zero row, in a zero column (not in a zero
     row) and neither; bits per entry of the vote's code (list, runs or plane), of a
     row-and-column code, and the entropy bounds with and without a sign bit for zeros."""
-    keys = ("entries", "zeros", "rows", "columns", "residual", "bits_now", "bits_structured",
-            "entropy_with_plane", "entropy_nonzero_signs")  # fmt: skip
+    keys = (
+        "entries",
+        "zeros",
+        "rows",
+        "columns",
+        "residual",
+        "bits_now",
+        "bits_structured",
+        "entropy_with_plane",
+        "entropy_nonzero_signs",
+    )
     totals = dict.fromkeys(keys, 0)
     for t in tensors:
         zero = (t == 0).reshape(t.shape[0], -1) if t.dim() > 1 else (t == 0).reshape(1, -1)
@@ -78,8 +87,10 @@ def _model_and_batches(task: str, batch_size: int, seed: int):
     torch.manual_seed(seed)
     if task == "mlp":  # ddp-step's 9.9M-parameter ReLU MLP and its four random batches
         gen = torch.Generator().manual_seed(seed)
-        batches = [(torch.randn(batch_size, 512, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen))
-                   for _ in range(4)]  # fmt: skip
+        batches = [
+            (torch.randn(batch_size, 512, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen))
+            for _ in range(4)
+        ]
         return mlp(1728, 4), lambda step: batches[step % 4]
     made = TASKS[task](seed)
     gen = torch.Generator().manual_seed(seed)
@@ -116,12 +127,16 @@ def main(argv: list[str] | None = None) -> list:
     report = sorted({0, args.steps // 2, args.steps - 1})
     rows = run(args.task, args.batch_size, args.steps, report, seed=args.seed)
     print(f"task={args.task} batch={args.batch_size} steps={args.steps} seed={args.seed} (fractions of all entries)")
-    print(f"{'step':>5} {'tensor':>9} {'zeros':>7} {'in rows':>8} {'in cols':>8} {'residual':>9} "
-          f"{'bits now':>9} {'bits rows+cols':>15} {'entropy':>8} {'entropy, signs of nonzeros':>27}")  # fmt: skip
+    print(
+        f"{'step':>5} {'tensor':>9} {'zeros':>7} {'in rows':>8} {'in cols':>8} {'residual':>9} "
+        f"{'bits now':>9} {'bits rows+cols':>15} {'entropy':>8} {'entropy, signs of nonzeros':>27}"
+    )
     for step, what, s in rows:
-        print(f"{step:>5} {what:>9} {s['zeros']:>7.3f} {s['rows']:>8.3f} {s['columns']:>8.3f} {s['residual']:>9.4f} "
-              f"{s['bits_now']:>9.2f} {s['bits_structured']:>15.2f} {s['entropy_with_plane']:>8.2f} "
-              f"{s['entropy_nonzero_signs']:>27.2f}")  # fmt: skip
+        print(
+            f"{step:>5} {what:>9} {s['zeros']:>7.3f} {s['rows']:>8.3f} {s['columns']:>8.3f} {s['residual']:>9.4f} "
+            f"{s['bits_now']:>9.2f} {s['bits_structured']:>15.2f} {s['entropy_with_plane']:>8.2f} "
+            f"{s['entropy_nonzero_signs']:>27.2f}"
+        )
     return rows
 
 

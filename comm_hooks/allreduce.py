@@ -69,5 +69,3 @@ def allreduce_hook(state: CommStats, bucket: dist.GradBucket) -> torch.futures.F
     The fp32 baseline the benchmarks measure the vote against: ``model.register_comm_hook(CommStats(), allreduce_hook)``.
     """
     return allreduce_mean(bucket.buffer(), None, state)
-
-

@@ -137,7 +137,9 @@ class BackwardReducer:
             raise ValueError("BackwardReducer got no parameter that requires a gradient")
         for p in unique.values():
             if p.layout != torch.strided or not p.is_floating_point():
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is {p.layout} {p.dtype}; only dense float parameters can be reduced")
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is {p.layout} {p.dtype}; only dense float parameters can be reduced"
+                )
         self.state = state
         self.hook = hook
         param_key = getattr(state, "param_key", None)

@@ -11,7 +11,16 @@ import torch.distributed as dist
 
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
 from .kernels.layout import SignSegments
-from .vote import MomentumStep, NodeLayout, NodeVoteWork, OwnedVoteWork, VoteConfig, VoteWork, majority_vote_async, node_layout
+from .vote import (
+    MomentumStep,
+    NodeLayout,
+    NodeVoteWork,
+    OwnedVoteWork,
+    VoteConfig,
+    VoteWork,
+    majority_vote_async,
+    node_layout,
+)
 
 __all__ = ["VoteHookState", "VotePipeline", "bucket_segments", "watch_first_step"]
 
@@ -30,9 +39,9 @@ class VotePipeline:
     __slots__ = ("_pending", "_defer")
 
     def __init__(self, defer: Callable[[NonFiniteError], None]) -> None:
-        self._pending: collections.deque[tuple[VoteWork | NodeVoteWork | OwnedVoteWork, torch.futures.Future, Callable | None]] = (
-            collections.deque()
-        )
+        self._pending: collections.deque[
+            tuple[VoteWork | NodeVoteWork | OwnedVoteWork, torch.futures.Future, Callable | None]
+        ] = collections.deque()
         self._defer = defer
 
     def add(self, work, fut: torch.futures.Future, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -101,12 +110,23 @@ class VoteHookState:
     """
 
     __slots__ = (
-        "process_group", "vote_config", "check_replicas_every",  # settings
-        "iter", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "deferred_flags",
+        "process_group",
+        "vote_config",
+        "check_replicas_every",  # settings
+        "iter",
+        "pending",
+        "settings_checked",
+        "param_keys",
+        "bucket_calls",
+        "deferred_error",
+        "deferred_flags",
         "raise_queued",
-        "layout", "headers_agree",  # internal state
-        "stats", "raised", "buckets_seen",  # statistics
-    )  # fmt: skip
+        "layout",
+        "headers_agree",  # internal state
+        "stats",
+        "raised",
+        "buckets_seen",  # statistics
+    )
 
     def __init__(
         self,
@@ -116,7 +136,11 @@ class VoteHookState:
         check_replicas_every: int = 0,
     ) -> None:
         vote = VoteConfig.of(vote)
-        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
+        if (
+            isinstance(check_replicas_every, bool)
+            or not isinstance(check_replicas_every, int)
+            or check_replicas_every < 0
+        ):
             raise ValueError(f"check_replicas_every={check_replicas_every!r} must be a non-negative int (0 = never)")
         self.vote_config = vote
         self.check_replicas_every = check_replicas_every
@@ -139,7 +163,11 @@ class VoteHookState:
 
     def settings(self) -> dict:
         """What must be equal on every rank (compared once, at the first hook call)."""
-        return {"hook": type(self).__name__, **self.vote_config.settings(), "check_replicas_every": self.check_replicas_every}
+        return {
+            "hook": type(self).__name__,
+            **self.vote_config.settings(),
+            "check_replicas_every": self.check_replicas_every,
+        }
 
     @property
     def nonfinite(self) -> str:
@@ -246,9 +274,17 @@ class VoteHookState:
         work: VoteWork | NodeVoteWork
         if layout is not None:
             work = NodeVoteWork(
-                voter, layout, self.vote_config, out=out, step=self.iter, segments=self.segments(bucket, voted),
-                stats=self.stats, label=label, tag=tag, momentum=node_momentum,
-            )  # fmt: skip
+                voter,
+                layout,
+                self.vote_config,
+                out=out,
+                step=self.iter,
+                segments=self.segments(bucket, voted),
+                stats=self.stats,
+                label=label,
+                tag=tag,
+                momentum=node_momentum,
+            )
         else:
             self.headers_agree = True
             work = majority_vote_async(
@@ -267,7 +303,9 @@ class VoteHookState:
             )
         return self.track(bucket, work, finish)
 
-    def track(self, bucket: dist.GradBucket, work, finish: Callable | None = None) -> torch.futures.Future[torch.Tensor]:
+    def track(
+        self, bucket: dist.GradBucket, work, finish: Callable | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
         """DDP's future for ``work``, a vote this hook call started (after ``pending.advance()``),
         kept in the pipeline until a later call (or the last bucket's) finishes it; ``finish``
         maps its result to the bucket's final tensor."""
@@ -282,9 +320,17 @@ class VoteHookState:
     # -- checkpointing -------------------------------------------------------------------
 
     _UNPICKLED = (
-        "process_group", "pending", "settings_checked", "param_keys", "bucket_calls", "deferred_error", "deferred_flags",
-        "raise_queued", "layout", "headers_agree",
-    )  # fmt: skip
+        "process_group",
+        "pending",
+        "settings_checked",
+        "param_keys",
+        "bucket_calls",
+        "deferred_error",
+        "deferred_flags",
+        "raise_queued",
+        "layout",
+        "headers_agree",
+    )
 
     @classmethod
     def _all_slots(cls) -> list[str]:
@@ -292,7 +338,9 @@ class VoteHookState:
 
     def __getstate__(self) -> dict:
         # A process group cannot be pickled; like PowerSGDState, drop it and use WORLD on load.
-        logger.warning(f"{type(self).__name__}: the process group is not serializable and is left out of the saved state")
+        logger.warning(
+            f"{type(self).__name__}: the process group is not serializable and is left out of the saved state"
+        )
         return {slot: getattr(self, slot) for slot in self._all_slots() if slot not in self._UNPICKLED}
 
     def __setstate__(self, state: dict) -> None:

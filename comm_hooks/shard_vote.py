@@ -86,7 +86,10 @@ class ShardVoter:
         """Per tensor: NaN or Inf in the shard of some rank of the node (one tiny all-reduce);
         and whether any tensor holds one, as a 0-d tensor on the device."""
         flags = torch.stack(
-            [nonfinite_flag(s) if s is not None else torch.zeros((), dtype=torch.bool, device=self.device) for s in shards]
+            [
+                nonfinite_flag(s) if s is not None else torch.zeros((), dtype=torch.bool, device=self.device)
+                for s in shards
+            ]
         ).to(torch.int32)
         if self.layout.node_group is not None and self.layout.ranks_per_node > 1:
             all_reduce(flags, self.layout.node_group, op="max")
@@ -159,9 +162,18 @@ class ShardVoter:
             starts.append(starts[-1] + p.numel())
         segments = SignSegments(tuple(starts), tuple(keys), tuple(firsts)) if pieces else None
         voted = VoteWork(
-            voter, self.layout.rail_group, self.config.rail, step=step, segments=segments, out=voter, stats=self.stats,
-            label=label, tag=step, input_nonfinite=any_bad, agree_sizes=False,
-        ).wait()  # fmt: skip
+            voter,
+            self.layout.rail_group,
+            self.config.rail,
+            step=step,
+            segments=segments,
+            out=voter,
+            stats=self.stats,
+            label=label,
+            tag=step,
+            input_nonfinite=any_bad,
+            agree_sizes=False,
+        ).wait()
         results: list[torch.Tensor | None] = [None] * len(specs)
         cursor = 0
         for i, spec in enumerate(specs):
@@ -227,4 +239,3 @@ class ShardVoter:
             out.append(flat[cursor : cursor + f.numel()].view_as(f))
             cursor += f.numel()
         return out
-

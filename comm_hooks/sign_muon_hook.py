@@ -188,8 +188,13 @@ def _node_aware(
             lambda i, mean: opt.local_direction(params[vote_idx[i]], mean),
             [opt.owner(params[j], layout.ranks_per_node) for j in vote_idx],
             [state.param_key(params[j]) for j in vote_idx],
-            layout, state.vote_config, step=state.iter, stats=state.stats, label=label, tag=tag,
-        )  # fmt: skip
+            layout,
+            state.vote_config,
+            step=state.iter,
+            stats=state.stats,
+            label=label,
+            tag=tag,
+        )
     averaged = [grads[j] for j, v in enumerate(voted) if not v]
     if averaged:
         flat = flatten(averaged)

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .allreduce import allreduce_mean
-from .hook_state import VoteHookState
 from .dist import group_size_rank, nonfinite_flag
+from .hook_state import VoteHookState
 from .vote import MomentumStep, VoteConfig, merge_in_node, node_slice
 
 __all__ = ["SignVoteState", "sign_vote_hook"]
@@ -159,8 +159,11 @@ class SignVoteState(VoteHookState):
                     continue
                 fits = start + piece.numel() <= numel
                 if not fits or (node is None and piece.numel() != numel):
-                    why = "the checkpoint is of another model" if not fits else \
-                        "a slice saved by the node-aware vote: resume with the same VoteConfig"  # fmt: skip
+                    why = (
+                        "the checkpoint is of another model"
+                        if not fits
+                        else "a slice saved by the node-aware vote: resume with the same VoteConfig"
+                    )
                     raise ValueError(
                         f"the loaded momentum of parameter {key} holds entries [{start}, {start + piece.numel()}) "
                         f"of its {numel}: {why}"
@@ -187,8 +190,11 @@ class SignVoteState(VoteHookState):
         holds its slice of the node's momentum: ``momentum_starts`` says where a partial piece
         starts inside its parameter; resume every rank from its own state."""
         pieces, starts = self._pieces()
-        return {**super().state_dict(), "momentum": {k: v.detach().clone() for k, v in pieces.items()},
-                "momentum_starts": dict(starts)}  # fmt: skip
+        return {
+            **super().state_dict(),
+            "momentum": {k: v.detach().clone() for k, v in pieces.items()},
+            "momentum_starts": dict(starts),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict`; raises ValueError if it was saved on another world size,
@@ -200,8 +206,10 @@ class SignVoteState(VoteHookState):
         starts = {int(k): v for k, v in state_dict.get("momentum_starts", {}).items()}
         for key, start in starts.items():
             if isinstance(start, bool) or not isinstance(start, int) or start < 0 or key not in state_dict["momentum"]:
-                raise ValueError(f"the checkpoint's momentum start of parameter {key} is {start!r}; expected an int >= 0 "
-                                 "of a parameter it holds momentum for")  # fmt: skip
+                raise ValueError(
+                    f"the checkpoint's momentum start of parameter {key} is {start!r}; expected an int >= 0 "
+                    "of a parameter it holds momentum for"
+                )
         _, rank = group_size_rank(self.process_group)
         saved_rank = int(state_dict.get("rank", rank))
         if state_dict["momentum"] and saved_rank != rank:

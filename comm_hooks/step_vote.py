@@ -77,7 +77,8 @@ class StepVoter:
         if len(set(steps)) > 1:
             raise VoteMismatchError(
                 f"{who}.step() entered at different steps ("
-                + "; ".join(f"rank {r}: step {s}" for r, s in enumerate(steps)) + "): resume every rank from the same checkpoint"
+                + "; ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+                + "): resume every rank from the same checkpoint"
             )
         return [p for i, p in enumerate(params) if any(r[1 + i] for r in rows)]
 
@@ -104,9 +105,17 @@ class StepVoter:
         if layout is not None:
             voted = [g.clone() for g in grads]
             OwnedVoteWork(
-                voted, direction, [owner(i, layout.ranks_per_node) for i in range(len(grads))], list(range(len(grads))),
-                layout, self.config, step=step, stats=self.stats, label=label, tag=step,
-            ).wait()  # all its stages at once  # fmt: skip
+                voted,
+                direction,
+                [owner(i, layout.ranks_per_node) for i in range(len(grads))],
+                list(range(len(grads))),
+                layout,
+                self.config,
+                step=step,
+                stats=self.stats,
+                label=label,
+                tag=step,
+            ).wait()  # all its stages at once
             return voted
         directions = [direction(i, g) if here else g for i, (g, here) in enumerate(zip(grads, present))]
         flat = flatten(directions)
@@ -115,9 +124,17 @@ class StepVoter:
             starts.append(starts[-1] + d.numel())
         segments = SignSegments(tuple(starts), tuple(range(len(directions))))
         majority_vote(
-            flat, self.group, self.config.rail, step=step, segments=segments, out=flat, stats=self.stats, label=label, tag=step,
+            flat,
+            self.group,
+            self.config.rail,
+            step=step,
+            segments=segments,
+            out=flat,
+            stats=self.stats,
+            label=label,
+            tag=step,
             agree_sizes=False,  # the voted list is agreed by used_on_any_rank, its shapes by the settings
-        )  # fmt: skip
+        )
         return split_like(flat, directions)
 
     def mean(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:

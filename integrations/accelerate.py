@@ -22,7 +22,9 @@ from __future__ import annotations
 try:
     import accelerate
 except ImportError as error:  # pragma: no cover - exercised only without the extra
-    raise ImportError("signmuon.integrations.accelerate needs Accelerate: pip install 'signmuon[accelerate]'") from error
+    raise ImportError(
+        "signmuon.integrations.accelerate needs Accelerate: pip install 'signmuon[accelerate]'"
+    ) from error
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -85,4 +87,3 @@ def register_comm_hook(
     model.register_comm_hook(comm_state, sign_vote_hook)
     comm_state.check_called_by_first_step(inner, fix=_FIX)
     return comm_state
-

@@ -102,7 +102,8 @@ class SignDDPStrategy(DDPStrategy):
             self.model.register_comm_hook(self.comm_state, sign_vote_hook)
             for optimizer in optimizers:
                 self.comm_state.check_called_by_first_step(
-                    optimizer, fix="Under Lightning, pass the state as SignDDPStrategy(comm_state=...) and train with it."
+                    optimizer,
+                    fix="Under Lightning, pass the state as SignDDPStrategy(comm_state=...) and train with it.",
                 )
         elif self.averager is not None:
             register_local_sgd_hook(self.model, self.averager)

@@ -144,7 +144,11 @@ class FaultTolerantRounds:
         """What a healing replica loads: parameters, inner optimizer, averager (copies, since the
         Manager serves them while this replica trains on)."""
         return copy.deepcopy(
-            {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "averager": self.averager.state_dict()}
+            {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "averager": self.averager.state_dict(),
+            }
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -30,7 +30,9 @@ from typing import Any
 try:
     import transformers
 except ImportError as error:  # pragma: no cover - exercised only without the extra
-    raise ImportError("signmuon.integrations.transformers needs transformers: pip install 'signmuon[transformers]'") from error
+    raise ImportError(
+        "signmuon.integrations.transformers needs transformers: pip install 'signmuon[transformers]'"
+    ) from error
 
 import torch
 from torch.nn.parallel import DistributedDataParallel

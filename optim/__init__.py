@@ -3,7 +3,6 @@ optimizers (SignMuon, Signum-MV, signSGD-MV), the Muon baseline and the DPPF ave
 
 from .dppf import DPPFAverager
 from .fsdp import check_checkpoint_layout, node_mesh, register_fsdp_vote
-from .post_local_sgd import local_sgd, register_local_sgd_hook
 from .functional import (
     MUON_LR_RATIO,
     MUON_UPDATE_RMS,
@@ -17,6 +16,7 @@ from .functional import (
 )
 from .muon_baseline import MuonWithAdamW
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
+from .post_local_sgd import local_sgd, register_local_sgd_hook
 from .rounds import OuterStep
 from .routing import HEAD_NAMES, muon_param_groups
 from .sign_muon import SignMuon

@@ -52,7 +52,9 @@ def load_rank_state(optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
 def _check_fits(optimizer, state_dict: dict[str, Any]) -> None:
     saved_groups = state_dict.get("param_groups", [])
     if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, this optimizer {len(optimizer.param_groups)}")
+        raise ValueError(
+            f"the checkpoint has {len(saved_groups)} param groups, this optimizer {len(optimizer.param_groups)}"
+        )
     saved_state = state_dict.get("state", {})
     for g, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
         if len(saved["params"]) != len(group["params"]):
@@ -71,7 +73,9 @@ def _check_fits(optimizer, state_dict: dict[str, Any]) -> None:
                     shape = tuple(loaded.shape) if torch.is_tensor(loaded) else type(loaded).__name__
                     raise ValueError(f"{label}: the checkpoint's {key} is {shape}, expected shape {tuple(value.shape)}")
                 if not loaded.is_floating_point():
-                    raise ValueError(f"{label}: the checkpoint's {key} has dtype {loaded.dtype}, expected a float dtype")
+                    raise ValueError(
+                        f"{label}: the checkpoint's {key} has dtype {loaded.dtype}, expected a float dtype"
+                    )
 
 
 def keep_saved_dtypes(optimizer, loaded: dict[str, Any]) -> None:

@@ -194,12 +194,31 @@ class DPPFAverager(ModelAverager):
         self.step += 1
 
     def _settings(self) -> dict[str, Any]:
-        settings = {name: getattr(self, name) for name in ("period", "warmup_steps", "pull", "push", "eps", "distance",
-                                                            "average_buffers", "track_distances", "nonfinite")}  # fmt: skip
+        settings = {
+            name: getattr(self, name)
+            for name in (
+                "period",
+                "warmup_steps",
+                "pull",
+                "push",
+                "eps",
+                "distance",
+                "average_buffers",
+                "track_distances",
+                "nonfinite",
+            )
+        }
         nodes = None if self.layout is None else (self.layout.nodes, self.layout.ranks_per_node)
-        outer = None if self.outer is None else (
-            self.outer.pseudo_gradient, _describe(self.outer.optimizer), repr(self.outer.vote), self.outer.scale_block,
-            self.outer.scale_bits,
+        outer = (
+            None
+            if self.outer is None
+            else (
+                self.outer.pseudo_gradient,
+                _describe(self.outer.optimizer),
+                repr(self.outer.vote),
+                self.outer.scale_block,
+                self.outer.scale_bits,
+            )
         )
         return {**settings, "outer": outer, "layout": nodes}
 
@@ -209,16 +228,23 @@ class DPPFAverager(ModelAverager):
             return None
         unchecked = self.consensus is not None and not self._consensus_checked
         used, bad_ranks, check_consensus = round_flags(
-            params, self._buffers(), self.process_group, self.step, self.stats,
-            settings=settings_digest(self._settings()), unchecked=unchecked,
-        )  # fmt: skip
+            params,
+            self._buffers(),
+            self.process_group,
+            self.step,
+            self.stats,
+            settings=settings_digest(self._settings()),
+            unchecked=unchecked,
+        )
         if check_consensus:  # some rank is new to this consensus (first round, or loaded): all compare
             self.consensus.check_same_start(self.stats)
             self._consensus_checked = True
         if bad_ranks:
             self.stats.skipped += 1
             if self.nonfinite == "raise":
-                raise NonFiniteError(f"NaN or Inf in the parameters of rank(s) {bad_ranks} at DPPF round (step {self.step})")
+                raise NonFiniteError(
+                    f"NaN or Inf in the parameters of rank(s) {bad_ranks} at DPPF round (step {self.step})"
+                )
             return None
         return used
 
@@ -319,7 +345,9 @@ class DPPFAverager(ModelAverager):
         self._settings_checked = True  # the rounds compare them from here
 
 
-def push_away(tensors: list[torch.Tensor], diffs: list[torch.Tensor], push: float, eps: float, *, per_tensor: bool) -> list[float]:
+def push_away(
+    tensors: list[torch.Tensor], diffs: list[torch.Tensor], push: float, eps: float, *, per_tensor: bool
+) -> list[float]:
     """``x_i += push * d_i / max(r_i, eps)`` with r_i the norm of all ``diffs`` together, or of each
     on its own where ``per_tensor``; returns the r_i."""
     if not per_tensor:
@@ -354,7 +382,9 @@ def _describe(factory: Any) -> str:
     return f"{getattr(factory, '__module__', '')}.{getattr(factory, '__qualname__', type(factory).__name__)}"
 
 
-def _check_arguments(pull: float, push: float, eps: float, distance: str, nonfinite: str, outer: Any, module: Any) -> None:
+def _check_arguments(
+    pull: float, push: float, eps: float, distance: str, nonfinite: str, outer: Any, module: Any
+) -> None:
     if not 0.0 <= pull <= 1.0:
         raise ValueError(f"pull={pull} must be in [0, 1]: beyond 1 a worker overshoots the average")
     if not (push >= 0.0 and math.isfinite(push)):

@@ -26,7 +26,9 @@ def refuse_dtensors(params: list[torch.Tensor], name: str) -> None:
         )
 
 
-def from_hook(optimizer, state: SignMuonHookState, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
+def from_hook(
+    optimizer, state: SignMuonHookState, params: list[torch.Tensor], name: str
+) -> tuple[list, list, list, list]:
     """The hook left the vote in ``.grad`` (and the mean of averaged parameters): its sign undoes
     any rescaling since (clipping), taken in place (a fresh tensor per parameter per step costs
     more than the sign itself)."""
@@ -54,7 +56,9 @@ def in_step(optimizer, voter: StepVoter, params: list[torch.Tensor], name: str) 
         [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
         lambda i, grad: optimizer.local_direction(voted[i][1], grad),
         lambda i, ranks_per_node: optimizer.owner(voted[i][1], ranks_per_node),
-        present=[p.grad is not None for _, p, _ in voted], step=step, label=f"{name} step {step}",
-    )  # fmt: skip
+        present=[p.grad is not None for _, p, _ in voted],
+        step=step,
+        label=f"{name} step {step}",
+    )
     means = voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
     return voted, signs, averaged, means

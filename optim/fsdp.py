@@ -58,11 +58,20 @@ def node_mesh(ranks_per_node: int | None = None, *, device_type: str | None = No
         raise RuntimeError("node_mesh() needs an initialised process group (torch.distributed.init_process_group)")
     if ranks_per_node is None:
         if "LOCAL_WORLD_SIZE" not in os.environ:
-            raise ValueError("node_mesh() needs the node size: run under torchrun (LOCAL_WORLD_SIZE) or pass ranks_per_node")
+            raise ValueError(
+                "node_mesh() needs the node size: run under torchrun (LOCAL_WORLD_SIZE) or pass ranks_per_node"
+            )
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     world_size = dist.get_world_size()
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be an int >= 1 that divides the world size {world_size}")
+    if (
+        isinstance(ranks_per_node, bool)
+        or not isinstance(ranks_per_node, int)
+        or ranks_per_node < 1
+        or world_size % ranks_per_node
+    ):
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r} must be an int >= 1 that divides the world size {world_size}"
+        )
     if device_type is None:
         device_type = group_device(None).type
     return init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node), mesh_dim_names=MESH_DIMS)
@@ -83,7 +92,9 @@ class ShardedVote:
     def layout(self) -> tuple[int, int]:
         return self.mesh.shape[0], self.mesh.shape[1]
 
-    def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
+    def exchange(
+        self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str
+    ) -> tuple[list, list, list, list]:
         """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
         its shard of each mean gradient); every parameter takes part, with or without a gradient."""
         if not self.settings_checked:
@@ -99,8 +110,10 @@ class ShardedVote:
             [self.specs[p] for _, p, _ in voted],
             lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
             lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
-            finish, step=step, label=f"{name} step {step}",
-        )  # fmt: skip
+            finish,
+            step=step,
+            label=f"{name} step {step}",
+        )
         means = self.voter.mean(
             [None if p.grad is None else local_tensor(p.grad) for _, p, _ in averaged],
             [tuple(local_tensor(p).shape) for _, p, _ in averaged],
@@ -117,7 +130,9 @@ class ShardedVote:
         for index, values in state["state"].items():
             p = params[index]
             out[index] = {
-                key: self._as_dtensor(p, value, per_node_state=key == "momentum_buffer") if _is_shard(value, p) else value
+                key: self._as_dtensor(p, value, per_node_state=key == "momentum_buffer")
+                if _is_shard(value, p)
+                else value
                 for key, value in values.items()
             }
         info = {"steps_taken": optimizer.steps_taken, "nodes": nodes, "ranks_per_node": per_node}
@@ -126,12 +141,18 @@ class ShardedVote:
 
     def _as_dtensor(self, param: torch.Tensor, value: torch.Tensor, *, per_node_state: bool) -> DTensor:
         if not per_node_state:
-            return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+            return DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
         shape = (self.layout[0], *param.shape)
         return DTensor.from_local(
-            value.unsqueeze(0), self.mesh, [Shard(0), Shard(1)], run_check=False, shape=torch.Size(shape),
+            value.unsqueeze(0),
+            self.mesh,
+            [Shard(0), Shard(1)],
+            run_check=False,
+            shape=torch.Size(shape),
             stride=torch.empty(shape, device="meta").stride(),
-        )  # fmt: skip
+        )
 
     def local_state(self, optimizer: SignVoteOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The inverse of :meth:`state_dict` for this rank, after checking the saved layout."""
@@ -150,14 +171,20 @@ class ShardedVote:
                 "node(s) (any ranks per node)"
             )
         state = {
-            index: {key: _local_part(value) for key, value in values.items()} for index, values in state_dict.get("state", {}).items()
+            index: {key: _local_part(value) for key, value in values.items()}
+            for index, values in state_dict.get("state", {}).items()
         }
         plain = [{k: v for k, v in g.items() if k != "signmuon"} for g in groups]
         return {"state": state, "param_groups": plain, "signmuon": {"steps_taken": info["steps_taken"]}}
 
 
 def _is_shard(value: Any, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == local_tensor(param).shape and value.dim() > 0
+    return (
+        torch.is_tensor(value)
+        and not isinstance(value, DTensor)
+        and value.shape == local_tensor(param).shape
+        and value.dim() > 0
+    )
 
 
 def _local_part(value: Any) -> Any:
@@ -187,7 +214,9 @@ def _check_param(name: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
             f"{local.mesh.tolist()} (mesh['local']): shard with fully_shard(module, mesh=mesh['local'])"
         )
     if tuple(param.placements) != (Shard(0),):
-        raise ValueError(f"parameter {name} has placements {param.placements}; the FSDP vote needs FSDP2's default Shard(0)")
+        raise ValueError(
+            f"parameter {name} has placements {param.placements}; the FSDP vote needs FSDP2's default Shard(0)"
+        )
 
 
 def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mesh: DeviceMesh) -> ShardedVote:
@@ -205,7 +234,9 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
     if not isinstance(optimizer, SignVoteOptimizer):
         raise TypeError(f"register_fsdp_vote takes SignMuon, SignumMV or SignSGDMV, not {name}")
     if optimizer.vote_in_step or optimizer.has_comm_hook:
-        raise ValueError(f"{name} already votes by vote_in_step or a DDP hook; create it without them for the FSDP vote")
+        raise ValueError(
+            f"{name} already votes by vote_in_step or a DDP hook; create it without them for the FSDP vote"
+        )
     if optimizer.sharded_vote is not None:
         raise ValueError(f"register_fsdp_vote was already called for this {name}")
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
@@ -238,7 +269,9 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
         spec = ShardSpec(tuple(p.shape), key, optimizer.owner(p, per_node) if optimizer.needs_whole(p) else None)
         lo, hi = spec.rows(per_node, layout.local_rank)
         if p.dim() == 0 or local_tensor(p).shape[0] != hi - lo:
-            raise ValueError(f"a parameter of shape {tuple(p.shape)} is not split by rows as FSDP2 splits (rows {lo}..{hi} here)")
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} is not split by rows as FSDP2 splits (rows {lo}..{hi} here)"
+            )
         specs[p] = spec
     for p in in_optimizer:  # the optimizer works on this rank's shards from now on
         state = optimizer.state[p]
@@ -266,14 +299,19 @@ def check_checkpoint_layout(checkpoint_id: Any, optimizer: SignVoteOptimizer) ->
         raise ValueError("check_checkpoint_layout needs an optimizer registered with register_fsdp_vote")
     reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
     saved = [
-        md for key, md in reader.read_metadata().state_dict_metadata.items()
+        md
+        for key, md in reader.read_metadata().state_dict_metadata.items()
         if key.endswith(".momentum_buffer") and isinstance(md, TensorStorageMetadata)
-    ]  # fmt: skip
+    ]
     if not saved:
-        raise ValueError(f"{checkpoint_id}: no per-node momentum in this checkpoint (was it saved after register_fsdp_vote?)")
+        raise ValueError(
+            f"{checkpoint_id}: no per-node momentum in this checkpoint (was it saved after register_fsdp_vote?)"
+        )
     nodes = saved[0].size[0]
     # Node 0's non-empty row shards: the ranks per node it was saved with.
-    per_node = max(sum(1 for c in md.chunks if c.offsets[0] == 0 and (len(c.sizes) < 2 or c.sizes[1] > 0)) for md in saved)
+    per_node = max(
+        sum(1 for c in md.chunks if c.offsets[0] == 0 and (len(c.sizes) < 2 or c.sizes[1] > 0)) for md in saved
+    )
     now_nodes, now_per_node = sharded.layout
     if nodes != now_nodes:
         raise ValueError(

@@ -60,7 +60,9 @@ class MuonWithAdamW:
             )
         if others:
             self.optimizers.append(
-                torch.optim.AdamW(others, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+                torch.optim.AdamW(
+                    others, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay
+                )
             )
 
     @property

@@ -41,5 +41,7 @@ def register_local_sgd_hook(ddp_model: nn.parallel.DistributedDataParallel, aver
         subgroup = layout.node_group
     else:
         subgroup, _ = dist.new_subgroups(group_size=1)
-    state = PostLocalSGDState(process_group=averager.process_group, subgroup=subgroup, start_localSGD_iter=averager.warmup_steps)
+    state = PostLocalSGDState(
+        process_group=averager.process_group, subgroup=subgroup, start_localSGD_iter=averager.warmup_steps
+    )
     ddp_model.register_comm_hook(state, post_localSGD_hook)

@@ -41,7 +41,13 @@ from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_
 from .sign_vote import local_tensor
 
 __all__ = [
-    "OuterStep", "Consensus", "PSEUDO_GRADIENTS", "average_over_nodes", "check_shards", "combine_pseudo_gradients", "round_flags",
+    "OuterStep",
+    "Consensus",
+    "PSEUDO_GRADIENTS",
+    "average_over_nodes",
+    "check_shards",
+    "combine_pseudo_gradients",
+    "round_flags",
     "scale_blocks",
 ]
 
@@ -90,12 +96,16 @@ class OuterStep:
 
     def __post_init__(self) -> None:
         if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) or self.scale_block < 0:
-            raise ValueError(f"OuterStep.scale_block={self.scale_block!r} must be an int >= 0 (0: one scale per tensor)")
+            raise ValueError(
+                f"OuterStep.scale_block={self.scale_block!r} must be an int >= 0 (0: one scale per tensor)"
+            )
         if isinstance(self.scale_bits, bool) or self.scale_bits not in (32, 16, 8):
             raise ValueError(f"OuterStep.scale_bits={self.scale_bits!r} must be 32, 16 or 8")
         if (self.scale_block or self.scale_bits != 32) and self.pseudo_gradient not in self.SCALED:
-            raise ValueError(f"OuterStep.scale_block and scale_bits set the scales of {self.SCALED}; "
-                             f"pseudo_gradient={self.pseudo_gradient!r} has none")  # fmt: skip
+            raise ValueError(
+                f"OuterStep.scale_block and scale_bits set the scales of {self.SCALED}; "
+                f"pseudo_gradient={self.pseudo_gradient!r} has none"
+            )
         if not callable(self.optimizer):
             raise ValueError(
                 f"OuterStep.optimizer={self.optimizer!r} must build an optimizer from a list of tensors, "
@@ -106,7 +116,9 @@ class OuterStep:
         if self.vote is not None and not isinstance(self.vote, VoteConfig):
             raise ValueError(f"OuterStep.vote must be a VoteConfig, not {type(self.vote).__name__}")
         if self.vote is not None and self.vote.hierarchical:
-            raise ValueError("OuterStep.vote: hierarchical=True does not apply; pass layout= to DPPFAverager for node-aware rounds")
+            raise ValueError(
+                "OuterStep.vote: hierarchical=True does not apply; pass layout= to DPPFAverager for node-aware rounds"
+            )
 
     @classmethod
     def diloco(cls, lr: float = 0.7, momentum: float = 0.9, pseudo_gradient: str = "mean") -> OuterStep:
@@ -175,7 +187,13 @@ def combine_pseudo_gradients(
         return mean_all_reduce(delta, group, stats)
     if how == "scaled_sign":
         return scaled_sign_allreduce(
-            delta, *errors, group, kernels=vote.kernels, nonfinite=vote.nonfinite, stats=stats, label="a round's pseudo-gradient"
+            delta,
+            *errors,
+            group,
+            kernels=vote.kernels,
+            nonfinite=vote.nonfinite,
+            stats=stats,
+            label="a round's pseudo-gradient",
         )
     if how == "sign_vote_ef":
         delta.add_(errors[0])
@@ -196,7 +214,9 @@ LOG_STEPS_PER_OCTAVE = 8  # the 8-bit scales' grid: 2^(1/8), a 9% step
 ZERO_CODE = 255  # an 8-bit scale of 0 (or below the grid's 254 steps under the largest)
 
 
-def _average_scales(scales: torch.Tensor, bits: int, group: dist.ProcessGroup | None, stats: CommStats | None) -> torch.Tensor:
+def _average_scales(
+    scales: torch.Tensor, bits: int, group: dist.ProcessGroup | None, stats: CommStats | None
+) -> torch.Tensor:
     """The workers' mean of each float32 scale, sent in ``bits`` (``OuterStep.scale_bits``)."""
     if bits == 32:
         return mean_all_reduce(scales, group, stats)
@@ -242,7 +262,9 @@ class Consensus:
             self.tensors.append(torch.cat([t.detach().reshape(-1) for t in tensors])[lo:hi].clone())
         self.optimizer = outer.optimizer(self.tensors)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ValueError(f"OuterStep.optimizer built a {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+            raise ValueError(
+                f"OuterStep.optimizer built a {type(self.optimizer).__name__}, not a torch.optim.Optimizer"
+            )
         self.errors: list[tuple[torch.Tensor, ...]] = []
         if outer.pseudo_gradient == "sign_vote_ef":
             self.errors = [(torch.zeros_like(c),) for c in self.tensors]
@@ -257,8 +279,13 @@ class Consensus:
         """Raise on every rank unless all start from the same consensus (an averager built before
         DDP made the parameters equal would otherwise step a different consensus on each rank)."""
         prints = {f"group {i}": int(tensor_fingerprint(c)) for i, c in enumerate(self.tensors)}
-        agree(prints, _exchange_group(self.group, self.layout), stats=stats, what="the first round with different "
-              "consensus parameters (build DPPFAverager after DDP, which makes the workers' parameters equal)")  # fmt: skip
+        agree(
+            prints,
+            _exchange_group(self.group, self.layout),
+            stats=stats,
+            what="the first round with different "
+            "consensus parameters (build DPPFAverager after DDP, which makes the workers' parameters equal)",
+        )
 
     @torch.no_grad()
     def reset(self, flats: list[torch.Tensor]) -> None:
@@ -276,10 +303,16 @@ class Consensus:
             lo, hi, _ = _rail_bounds(flat.numel(), self.layout)
             delta = c - flat[lo:hi]
             c.grad = combine_pseudo_gradients(
-                delta, self.outer.pseudo_gradient, group, stats, segments=scale_blocks(self.sizes[i], lo, hi, self.outer.scale_block),
-                errors=self.errors[i] if self.errors else (), vote=self.outer.vote, step=self.rounds,
+                delta,
+                self.outer.pseudo_gradient,
+                group,
+                stats,
+                segments=scale_blocks(self.sizes[i], lo, hi, self.outer.scale_block),
+                errors=self.errors[i] if self.errors else (),
+                vote=self.outer.vote,
+                step=self.rounds,
                 scale_bits=self.outer.scale_bits,
-            )  # fmt: skip
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.rounds += 1
@@ -379,7 +412,11 @@ def round_flags(
     gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
     used = gathered[:, :-1, 0].any(dim=0)  # [P]
     bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
-    return [p for p, u in zip(params, used.tolist()) if u], bad.nonzero().view(-1).tolist(), bool(gathered[:, -1, 0].any())
+    return (
+        [p for p, u in zip(params, used.tolist()) if u],
+        bad.nonzero().view(-1).tolist(),
+        bool(gathered[:, -1, 0].any()),
+    )
 
 
 def check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layout: NodeLayout | None) -> None:

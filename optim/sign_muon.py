@@ -128,15 +128,31 @@ class SignMuon(SignVoteOptimizer):
     ) -> None:
         self.ns_seconds = 0.0  # host seconds in Newton–Schulz, this rank (on a GPU: launch time only)
         defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            coupled_weight_decay=coupled_weight_decay, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
-            polar_after_vote=polar_after_vote, lr_scaling=lr_scaling, ns_dtype=ns_dtype, non_matrix=non_matrix,
-            adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, use_muon=None,
-        )  # fmt: skip
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            coupled_weight_decay=coupled_weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            polar_after_vote=polar_after_vote,
+            lr_scaling=lr_scaling,
+            ns_dtype=ns_dtype,
+            non_matrix=non_matrix,
+            adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            use_muon=None,
+        )
         super().__init__(
-            params, defaults, vote=vote, process_group=process_group, vote_in_step=vote_in_step,
-            checkpoint_all_ranks=checkpoint_all_ranks, master_weights=master_weights,
-        )  # fmt: skip
+            params,
+            defaults,
+            vote=vote,
+            process_group=process_group,
+            vote_in_step=vote_in_step,
+            checkpoint_all_ranks=checkpoint_all_ranks,
+            master_weights=master_weights,
+        )
 
     def check_group(self, group: dict[str, Any]) -> None:
         super().check_group(group)
@@ -213,13 +229,21 @@ class SignMuon(SignVoteOptimizer):
         """AdamW on the all-reduced mean gradient; a non-finite mean skips the parameter."""
         if nonfinite:  # the mean gradient's: the same on every rank
             if self.vote_config.nonfinite == "raise":
-                raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(param.shape)}")
+                raise NonFiniteError(
+                    f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(param.shape)}"
+                )
             self.stats.skipped += 1
             return
         state = self.state[param]
         state["step"] += 1
         adamw_update(
-            self.update_target(param), grad.to(state["exp_avg"].dtype), state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-            lr=group["lr"] if group["adamw_lr"] is None else group["adamw_lr"], betas=group["adamw_betas"],
-            eps=group["adamw_eps"], weight_decay=group["weight_decay"],
-        )  # fmt: skip
+            self.update_target(param),
+            grad.to(state["exp_avg"].dtype),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["step"].item(),
+            lr=group["lr"] if group["adamw_lr"] is None else group["adamw_lr"],
+            betas=group["adamw_betas"],
+            eps=group["adamw_eps"],
+            weight_decay=group["weight_decay"],
+        )

@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from signmuon.comm_hooks import BackwardReducer, CommStats, NonFiniteError, SignMuonHookState, VoteConfig, sign_muon_hook
+from signmuon.comm_hooks import (
+    BackwardReducer,
+    CommStats,
+    NonFiniteError,
+    SignMuonHookState,
+    VoteConfig,
+    sign_muon_hook,
+)
 from signmuon.comm_hooks.dist import nonfinite_flag
 from signmuon.comm_hooks.step_vote import StepVoter
 from signmuon.comm_hooks.vote import matrix_cost, owners
@@ -128,7 +135,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
 
     def init_state(self, state: dict[str, Any], param: torch.Tensor, path: str) -> None:
         """Eager, rank-symmetric state: the same keys and shapes on every rank from step 0."""
-        state["momentum_buffer"] = torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
+        state["momentum_buffer"] = torch.zeros_like(
+            param, dtype=state_dtype(param), memory_format=torch.preserve_format
+        )
         self.init_master(state, param)
 
     def init_master(self, state: dict[str, Any], param: torch.Tensor) -> None:
@@ -143,7 +152,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "sharded_vote", None) is not None:
-            raise ValueError("add param groups before register_fsdp_vote: it lays out the shards of the parameters it sees")
+            raise ValueError(
+                "add param groups before register_fsdp_vote: it lays out the shards of the parameters it sees"
+            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self.check_group(group)
@@ -179,9 +190,13 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         ``param``'s momentum with ``grad`` (:func:`~signmuon.optim.functional.signum_direction`)."""
         group, _ = self._route(param)
         return signum_direction(
-            grad, self.state[param]["momentum_buffer"], group["momentum"], nesterov=group.get("nesterov", False),
-            param=self.update_target(param), coupled_weight_decay=group.get("coupled_weight_decay", 0.0),
-        )  # fmt: skip
+            grad,
+            self.state[param]["momentum_buffer"],
+            group["momentum"],
+            nesterov=group.get("nesterov", False),
+            param=self.update_target(param),
+            coupled_weight_decay=group.get("coupled_weight_decay", 0.0),
+        )
 
     def needs_whole(self, param: torch.Tensor) -> bool:
         """Whether :meth:`whole_direction` needs the whole tensor (none here)."""
@@ -221,13 +236,20 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     def settings(self) -> dict[str, Any]:
         """What must be equal on every rank: hyperparameters and parameter shapes."""
         groups = [
-            {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "shapes": [tuple(p.shape) for p in g["params"]]}
+            {
+                **{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                "shapes": [tuple(p.shape) for p in g["params"]],
+            }
             for g in self.param_groups
         ]
-        return {"optimizer": type(self).__name__, "vote": self.vote_config.settings(),
-                "vote_in_step": self.vote_in_step, "checkpoint_all_ranks": self.checkpoint_all_ranks,
-                "master_weights": self.master_weights,
-                "groups": groups}  # fmt: skip
+        return {
+            "optimizer": type(self).__name__,
+            "vote": self.vote_config.settings(),
+            "vote_in_step": self.vote_in_step,
+            "checkpoint_all_ranks": self.checkpoint_all_ranks,
+            "master_weights": self.master_weights,
+            "groups": groups,
+        }
 
     def owner(self, param: torch.Tensor, ranks_per_node: int) -> int:
         """The local rank that owns ``param``'s momentum (and Newton–Schulz) in the node-aware
@@ -246,7 +268,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         """The hook state; asking for it tells ``step()`` that the hook does the pre-vote half."""
         if self._comm_state is None:
             if self.sharded_vote is not None:
-                raise RuntimeError(f"{type(self).__name__} votes FSDP shards (register_fsdp_vote); it cannot also take a DDP hook")
+                raise RuntimeError(
+                    f"{type(self).__name__} votes FSDP shards (register_fsdp_vote); it cannot also take a DDP hook"
+                )
             refuse_dtensors([p for g in self.param_groups for p in g["params"]], type(self).__name__)
             self._comm_state = SignMuonHookState(self, self.process_group, vote=self.vote_config)
         return self._comm_state
@@ -270,7 +294,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         ends a gradient-accumulation window. Set ``process_group`` before calling.
         """
         if self.vote_in_step:
-            raise ValueError("register_backward_reducer() votes in backward; create the optimizer with vote_in_step=False")
+            raise ValueError(
+                "register_backward_reducer() votes in backward; create the optimizer with vote_in_step=False"
+            )
         params = [p for group in self.param_groups for p in group["params"]]
         return BackwardReducer(params, self.comm_state, sign_muon_hook, sync=sync, bucket_cap_mb=bucket_cap_mb)
 
@@ -291,7 +317,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         if self.vote_config.nonfinite == "raise":  # before any parameter moves
             for (_, p, _), bad in zip(averaged, bad_means):
                 if bad:
-                    raise NonFiniteError(f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}")
+                    raise NonFiniteError(
+                        f"NaN or Inf in the averaged gradient of a parameter of shape {tuple(p.shape)}"
+                    )
         for (group, p, path), s in zip(voted, signs):
             # Sharded: finish_vote ran on the whole tensor at its owner.
             update = s if self.sharded_vote is not None else self.finish_vote(group, p, s, path)
@@ -322,7 +350,9 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     def split_by_path(self, params: list[torch.Tensor]) -> tuple[list, list]:
         """(voted, averaged): (group, param, path) of each parameter, by whether its update is voted."""
         entries = [(*self._route(p), p) for p in params]
-        return [(g, p, path) for g, path, p in entries if path != "adamw"], [(g, p, path) for g, path, p in entries if path == "adamw"]
+        return [(g, p, path) for g, path, p in entries if path != "adamw"], [
+            (g, p, path) for g, path, p in entries if path == "adamw"
+        ]
 
     # -- checkpointing ---------------------------------------------------------------------
 
@@ -393,9 +423,14 @@ class SignumMV(SignVoteOptimizer):
         master_weights: bool = False,
     ) -> None:
         super().__init__(
-            params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), vote=vote, process_group=process_group,
-            vote_in_step=vote_in_step, checkpoint_all_ranks=checkpoint_all_ranks, master_weights=master_weights,
-        )  # fmt: skip
+            params,
+            dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+            vote=vote,
+            process_group=process_group,
+            vote_in_step=vote_in_step,
+            checkpoint_all_ranks=checkpoint_all_ranks,
+            master_weights=master_weights,
+        )
 
     def check_group(self, group: dict[str, Any]) -> None:
         if group.get("use_muon") or group.get("non_matrix", "signum") != "signum":
@@ -409,7 +444,9 @@ class SignSGDMV(SignumMV):
 
     fixed_settings = ("momentum",)  # what a spec may not set (sign_optimizer_from_spec)
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3, **options: Any) -> None:
+    def __init__(
+        self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3, **options: Any
+    ) -> None:
         if "momentum" in options:
             raise TypeError("SignSGDMV has no momentum: it is SignumMV with momentum=0")
         super().__init__(params, lr, 0.0, **options)

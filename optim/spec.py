@@ -15,11 +15,18 @@ from .sign_vote import SignSGDMV, SignumMV, SignVoteOptimizer
 __all__ = ["SIGN_OPTIMIZERS", "sign_optimizer_from_spec"]
 
 
-SIGN_OPTIMIZERS: dict[str, type[SignVoteOptimizer]] = {"signmuon": SignMuon, "signummv": SignumMV, "signsgdmv": SignSGDMV}
+SIGN_OPTIMIZERS: dict[str, type[SignVoteOptimizer]] = {
+    "signmuon": SignMuon,
+    "signummv": SignumMV,
+    "signsgdmv": SignSGDMV,
+}
 
 
 def sign_optimizer_from_spec(
-    spec: dict[str, Any], params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], reserved: Iterable[str] = (), **fixed: Any
+    spec: dict[str, Any],
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    reserved: Iterable[str] = (),
+    **fixed: Any,
 ) -> SignVoteOptimizer:
     """Build ``SignMuon`` / ``SignumMV`` / ``SignSGDMV`` from ``{"type": name, "params": {...}}``
     (a DeepSpeed config's optimizer section, or the same dict given to the HF Trainer).
@@ -28,11 +35,15 @@ def sign_optimizer_from_spec(
     passed in ``fixed``) raise ``ValueError`` listing the valid ones.
     """
     if not isinstance(spec, dict):
-        raise TypeError(f"the optimizer spec must be a dict like {{'type': 'SignMuon', 'params': {{...}}}}, got {type(spec).__name__}")
+        raise TypeError(
+            f"the optimizer spec must be a dict like {{'type': 'SignMuon', 'params': {{...}}}}, got {type(spec).__name__}"
+        )
     name = str(spec.get("type", ""))
     cls = SIGN_OPTIMIZERS.get(name.lower())
     if cls is None:
-        raise ValueError(f"optimizer type {name!r} is not one of ours: {[c.__name__ for c in SIGN_OPTIMIZERS.values()]}")
+        raise ValueError(
+            f"optimizer type {name!r} is not one of ours: {[c.__name__ for c in SIGN_OPTIMIZERS.values()]}"
+        )
     unexpected = sorted(set(spec) - {"type", "params"})
     if unexpected:
         raise ValueError(f"unknown keys {unexpected} in the optimizer spec; it has 'type' and 'params'")

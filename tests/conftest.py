@@ -18,9 +18,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if os.environ.get("CI") == "true" and _unexpected(terminalreporter):
         terminalreporter.section("skips CI does not expect", sep="=", red=True)
         for report in _unexpected(terminalreporter):
-            terminalreporter.line(f"{report.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}")
-        terminalreporter.line("a skip under CI is a missing install step or a broken environment: fix it, or list the test in "
-                              "tests/conftest.py's EXPECTED_SKIPS with the reason")
+            terminalreporter.line(
+                f"{report.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}"
+            )
+        terminalreporter.line(
+            "a skip under CI is a missing install step or a broken environment: fix it, or list the test in "
+            "tests/conftest.py's EXPECTED_SKIPS with the reason"
+        )
 
 
 @pytest.hookimpl(trylast=True)

@@ -39,9 +39,22 @@ LIBRARY = tuple(str(ROOT / folder) + os.sep for folder in ("comm_hooks", "optim"
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
 FACTORIES = ("tensor", "as_tensor")
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "broadcast",
-    "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "reduce", "send", "recv", "isend", "irecv",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,7 +189,9 @@ def _checked(name: str, original, world: GpuWorld):
         world.collectives.append((name, [*_tensors(args), *_tensors(list(kwargs.values()))]))
         for t in (*_tensors(args), *_tensors(list(kwargs.values()))):
             if t.device != expected:
-                world.misplaced.append(f"{name} at {_first_library_site()}: a tensor on {t.device}, the group's device is {expected}")
+                world.misplaced.append(
+                    f"{name} at {_first_library_site()}: a tensor on {t.device}, the group's device is {expected}"
+                )
         if name == "all_gather" and _known(args[1]) is not None:
             outputs = args[0]
             base = outputs[0]._base

@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from signmuon.comm_hooks.kernels import reference
+from signmuon.comm_hooks.vote.packing import as_bytes, as_words
 from signmuon.optim import polar_direction
 from signmuon.optim.newton_schulz import as_matrix, newton_schulz
-from signmuon.comm_hooks.vote.packing import as_bytes, as_words
 
 # --- running a function on M local ranks -----------------------------------------------------
 
@@ -25,7 +25,9 @@ from signmuon.comm_hooks.vote.packing import as_bytes, as_words
 def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple, threads: int) -> None:
     torch.set_num_threads(threads)
     # What torchrun sets, for frameworks that read it (DeepSpeed requires LOCAL_RANK).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
@@ -150,8 +152,10 @@ def node_reference_step(kind, params, step, nodes, per_node, momenta, lr, beta, 
         directions = means
     else:
         for n in range(nodes):
-            momenta[n] = [m.lerp(g, 1 - beta) if kind != "signum" else beta * m + (1 - beta) * g
-                          for m, g in zip(momenta[n], means[n])]  # fmt: skip
+            momenta[n] = [
+                m.lerp(g, 1 - beta) if kind != "signum" else beta * m + (1 - beta) * g
+                for m, g in zip(momenta[n], means[n])
+            ]
         if kind in ("signum", "signum_mv"):
             directions = momenta
         else:  # SignMuon: Nesterov look-ahead, Newton–Schulz on matrices

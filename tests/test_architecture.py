@@ -14,14 +14,24 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LAYERS = ["comm_hooks/kernels", "comm_hooks/dist", "comm_hooks/vote", "comm_hooks", "optim", "integrations", "benchmarks"]
+LAYERS = [
+    "comm_hooks/kernels",
+    "comm_hooks/dist",
+    "comm_hooks/vote",
+    "comm_hooks",
+    "optim",
+    "integrations",
+    "benchmarks",
+]
 REFERENCE = "signmuon.comm_hooks.kernels.reference"
 
 
 def _layer_of_path(path: pathlib.Path) -> int:
     """The deepest layer folder holding ``path`` (``comm_hooks/vote`` before ``comm_hooks``)."""
     relative = path.relative_to(ROOT).as_posix()
-    return max((i for i, layer in enumerate(LAYERS) if relative.startswith(layer + "/")), key=lambda i: LAYERS[i].count("/"))
+    return max(
+        (i for i, layer in enumerate(LAYERS) if relative.startswith(layer + "/")), key=lambda i: LAYERS[i].count("/")
+    )
 
 
 def _layer_of_module(name: str) -> int | None:
@@ -62,7 +72,9 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
     return found
 
 
-LIBRARY = sorted(p for layer in ("comm_hooks", "optim", "integrations", "benchmarks") for p in (ROOT / layer).rglob("*.py"))
+LIBRARY = sorted(
+    p for layer in ("comm_hooks", "optim", "integrations", "benchmarks") for p in (ROOT / layer).rglob("*.py")
+)
 
 
 def test_the_walk_sees_the_whole_package():
@@ -72,7 +84,7 @@ def test_the_walk_sees_the_whole_package():
     assert _layer_of_module("signmuon.optim") == 4
     assert _layer_of_path(ROOT / "comm_hooks/vote/exchange.py") == 2
     # A relative import one level up from a vote module lands in comm_hooks (the hooks layer).
-    assert ("signmuon.comm_hooks.dist" in {m for _, m in _imports(ROOT / "comm_hooks/vote/exchange.py")})
+    assert "signmuon.comm_hooks.dist" in {m for _, m in _imports(ROOT / "comm_hooks/vote/exchange.py")}
 
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -100,8 +112,10 @@ def test_every_exported_name_is_in_the_api_reference(package, page, most):
     exported = set(importlib.import_module(f"signmuon.{package}").__all__)
     if most is not None:
         assert len(exported) <= most
-    assert exported == _documented(page), f"exported, not documented: {sorted(exported - _documented(page))}; " \
+    assert exported == _documented(page), (
+        f"exported, not documented: {sorted(exported - _documented(page))}; "
         f"documented, not exported: {sorted(_documented(page) - exported)}"
+    )
 
 
 def test_only_the_benchmarks_own_tests_import_the_benchmarks():
@@ -119,13 +133,35 @@ def test_only_the_benchmarks_own_tests_import_the_benchmarks():
 # exchange), where tensors are made on the group's device (``group_device``). The benchmarks'
 # bandwidth command times raw collectives against ours, and their launcher synchronises ranks.
 COLLECTIVE_OWNERS = {
-    "comm_hooks/dist/groups.py", "comm_hooks/dist/tensors.py", "comm_hooks/vote/exchange.py", "optim/checkpoint.py",
-    "benchmarks/bandwidth.py", "benchmarks/launch.py",
+    "comm_hooks/dist/groups.py",
+    "comm_hooks/dist/tensors.py",
+    "comm_hooks/vote/exchange.py",
+    "optim/checkpoint.py",
+    "benchmarks/bandwidth.py",
+    "benchmarks/launch.py",
 }
 COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
-    "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "barrier",
+    "monitored_barrier",
 }
 
 
@@ -157,7 +193,11 @@ def test_no_device_argument_defaults_to_the_cpu():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args.args + node.args.kwonlyargs
-                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + node.args.kw_defaults
+                defaults = (
+                    [None] * (len(node.args.args) - len(node.args.defaults))
+                    + node.args.defaults
+                    + node.args.kw_defaults
+                )
                 for arg, default in zip(args, defaults):
                     if "device" in arg.arg and isinstance(default, ast.Constant) and default.value == "cpu":
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg}='cpu')")

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import run_distributed
 from signmuon.comm_hooks import BackwardReducer, SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignSGDMV, SignumMV
+from tests.harness import run_distributed
 
 from .harness import batch, tiny_net
 
@@ -55,7 +55,9 @@ def _reduced_like_ddp(rank):
             model.register_comm_hook(state, sign_vote_hook)
             forward = lambda x: model(x, rank == 0)  # noqa: E731
         else:
-            reducer = BackwardReducer(net.parameters(), state, sign_vote_hook, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+            reducer = BackwardReducer(
+                net.parameters(), state, sign_vote_hook, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4
+            )
             forward = lambda x: net(x, rank == 0)  # noqa: E731
         runs[mode] = _train(rank, net, forward, opt)
     return runs, len(reducer.buckets), reducer.backward_passes, state.stats.calls

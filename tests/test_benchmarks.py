@@ -15,8 +15,26 @@ from tests.harness import run_distributed
 
 def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
     out = tmp_path / "bw"
-    rows = bandwidth.main(["--world-size", "2", "--sizes", "1K", "64K", "--iters", "2", "--warmup", "1",
-                           "--json", f"{out}.json", "--csv", f"{out}.csv", "--plot", f"{out}.png", "--no-progress"])  # fmt: skip
+    rows = bandwidth.main(
+        [
+            "--world-size",
+            "2",
+            "--sizes",
+            "1K",
+            "64K",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            f"{out}.json",
+            "--csv",
+            f"{out}.csv",
+            "--plot",
+            f"{out}.png",
+            "--no-progress",
+        ]
+    )
     assert {r["method"] for r in rows} == set(bandwidth.METHODS)
     by = {(r["method"], r["numel"]): r for r in rows if "error" not in r}
     fp32, vote = by[("allreduce", 65536)], by[("signsgd_mv_exact", 65536)]
@@ -35,7 +53,14 @@ def test_train_writes_curves_and_is_repeatable(tmp_path):
     from signmuon.benchmarks import train
 
     argv = ["--world-size", "2", "--steps", "30", "--eval-every", "15", "--methods", "adamw", "signum_mv"]
-    outputs = ["--csv", str(tmp_path / "curves.csv"), "--plot", str(tmp_path / "curves.png"), "--json", str(tmp_path / "r.json")]
+    outputs = [
+        "--csv",
+        str(tmp_path / "curves.csv"),
+        "--plot",
+        str(tmp_path / "curves.png"),
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     both = train.main(argv + ["--seeds", "0", "1"] + outputs)
     again = train.main(argv[:-2] + ["signum_mv", "--seeds", "0"])  # the vote's run alone repeats
     assert [(r["method"], r["seed"]) for r in both] == [("adamw", 0), ("signum_mv", 0), ("adamw", 1), ("signum_mv", 1)]
@@ -109,8 +134,21 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
 
     from signmuon.benchmarks import netem
 
-    common = ["--world-size", "2", "--rate", "1gbit", "--", "bandwidth", "--sizes", "256K", "--iters", "2",
-              "--warmup", "1", "--methods"]  # fmt: skip
+    common = [
+        "--world-size",
+        "2",
+        "--rate",
+        "1gbit",
+        "--",
+        "bandwidth",
+        "--sizes",
+        "256K",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--methods",
+    ]
     fp32 = netem.main(common + ["allreduce"])
     vote = netem.main(common + ["signsgd_mv_exact"])
     for report in (fp32, vote):
@@ -126,8 +164,26 @@ def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path, 
     # training run per rate, a time-to-target row per method and a panel per rate.
     from signmuon.benchmarks import netem
 
-    out = netem.main(["--world-size", "2", "--rates", "100mbit", "1gbit", "--plot", str(tmp_path / "rates.png"), "--",
-                      "train", "--steps", "6", "--eval-every", "3", "--methods", "adamw", "signsgd_mv"])  # fmt: skip
+    out = netem.main(
+        [
+            "--world-size",
+            "2",
+            "--rates",
+            "100mbit",
+            "1gbit",
+            "--plot",
+            str(tmp_path / "rates.png"),
+            "--",
+            "train",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--methods",
+            "adamw",
+            "signsgd_mv",
+        ]
+    )
     reports = out["reports"]
     assert [r["rate"] for r in reports] == ["100mbit", "1gbit"]
     for report in reports:
@@ -146,8 +202,26 @@ def test_emulated_nodes_count_the_bytes_between_them():
     # node, so the shaped links carry only the between-node votes, about what the formula says.
     from signmuon.benchmarks import netem
 
-    report = netem.main(["--world-size", "4", "--ranks-per-node", "2", "--rate", "1gbit", "--", "bandwidth",
-                         "--sizes", "1M", "--iters", "2", "--warmup", "1", "--methods", "signsgd_mv_node"])  # fmt: skip
+    report = netem.main(
+        [
+            "--world-size",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--rate",
+            "1gbit",
+            "--",
+            "bandwidth",
+            "--sizes",
+            "1M",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--methods",
+            "signsgd_mv_node",
+        ]
+    )
     assert len(report["tx_bytes_per_node"]) == 2
     for sent in report["tx_bytes_per_node"]:
         assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
@@ -158,8 +232,26 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
     # counters see them, and optimizer state per rank half of the replicated optimizer's.
     from signmuon.benchmarks import netem
 
-    argv = ["--world-size", "4", "--ranks-per-node", "2", "--rate", "1gbit", "--", "ddp-step", "--width", "512",
-            "--depth", "2", "--steps", "2", "--warmup", "1", "--methods", "fsdp_signmuon"]  # fmt: skip
+    argv = [
+        "--world-size",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "--rate",
+        "1gbit",
+        "--",
+        "ddp-step",
+        "--width",
+        "512",
+        "--depth",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--methods",
+        "fsdp_signmuon",
+    ]
     report = netem.main(argv)  # (a DDP row would add DDP's initial broadcast of the parameters)
     (fsdp,) = report["rows"]
     assert fsdp["state_bytes"] * 2 == 4 * fsdp["params"]  # L = 2: half of one float32 momentum
@@ -188,7 +280,9 @@ def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
     # The vote's traffic between nodes is a few % of the sharded fp32 baseline's (all of which crosses).
     assert signmuon["bytes_between_nodes_per_rank"] < 0.1 * adamw["bytes_between_nodes_per_rank"]
     for other in (signmuon, diloco):
-        assert all(v.shape == torch.Size(s.shape) for v, s in zip(other["final_state"].values(), adamw["final_state"].values()))
+        assert all(
+            v.shape == torch.Size(s.shape) for v, s in zip(other["final_state"].values(), adamw["final_state"].values())
+        )
     # DiLoCo's rounds after steps 8 and 16, each sending this rank's shard (half the model) over its rail.
     numel = sum(v.numel() for v in adamw["final_state"].values() if v.is_floating_point())
     assert diloco["rounds"] == 2
@@ -287,8 +381,10 @@ def test_lr_from_muon_kept_muons_charlm_loss_in_the_stored_sweeps():
 
     muon_default, signmuon_default = 0.02, 2e-3  # train's muon_adamw and signmuon defaults (factor 1)
     results = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    seed_sets = [["2026-12-03-sweep-charlm.json"],
-                 ["2026-12-03-sweep-charlm-conversion-1.json", "2026-12-03-sweep-charlm-conversion-2.json"]]  # fmt: skip
+    seed_sets = [
+        ["2026-12-03-sweep-charlm.json"],
+        ["2026-12-03-sweep-charlm-conversion-1.json", "2026-12-03-sweep-charlm-conversion-2.json"],
+    ]
     pairs = 0
     for files in seed_sets:
         losses: dict[tuple[str, float], list[float]] = {}
@@ -336,7 +432,9 @@ def _clean_and_faulty(rank, world_size):
 
     config = TrainConfig(steps=120, batch_size=60, eval_every=120)
     return {
-        method: [train_worker(rank, world_size, method, dataclasses.replace(config, byzantine=k))["test_acc"] for k in (0, 1)]
+        method: [
+            train_worker(rank, world_size, method, dataclasses.replace(config, byzantine=k))["test_acc"] for k in (0, 1)
+        ]
         for method in ("signsgd_mv", "signmuon")
     }
 
@@ -359,6 +457,7 @@ def test_dppf_converges_on_digits_and_consensus_is_at_least_the_average_worker()
     assert result["test_acc"] >= 0.85, result
     assert result["test_acc"] >= result["worker_acc"] - 1 / 360, result
     assert result["rounds"] == 30
+
 
 def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
     from signmuon.benchmarks.zero_structure import run, zero_structure
@@ -383,7 +482,12 @@ def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
     assert dense["bits_now"] == dense["bits_structured"] == dense["entropy_with_plane"] == 1.0
     assert dense["entropy_nonzero_signs"] == 1.0
     rows = run("digits", batch_size=8, steps=3, report=[0, 2])
-    assert [(step, what) for step, what, _ in rows] == [(0, "gradient"), (0, "momentum"), (2, "gradient"), (2, "momentum")]
+    assert [(step, what) for step, what, _ in rows] == [
+        (0, "gradient"),
+        (0, "momentum"),
+        (2, "gradient"),
+        (2, "momentum"),
+    ]
     for _, _, s in rows:
         assert s["zeros"] > 0 and abs(s["rows"] + s["columns"] + s["residual"] - s["zeros"]) < 1e-12
         assert 1.0 <= s["bits_structured"] <= s["bits_now"] < 2.02  # a plane per tensor, padded to words
@@ -419,11 +523,14 @@ def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsy
     # time of the bytes the hook counted; the ring's 30 Mbit/s step is dominated by its wire.
     from signmuon.benchmarks.plan import validate, wire_seconds
 
-    rows = validate(rates=("30mbit",), base="10gbit", width=256, steps=3,
-                    layouts=((2, 1, ("allreduce", "signsgd_mv")),))  # fmt: skip
+    rows = validate(
+        rates=("30mbit",), base="10gbit", width=256, steps=3, layouts=((2, 1, ("allreduce", "signsgd_mv")),)
+    )
     ring, vote = rows
     assert [(r["layout"], r["world_size"], r["method"], r["rate"]) for r in rows] == [
-        ("2x1", 2, "allreduce", "30mbit"), ("2x1", 2, "signsgd_mv", "30mbit")]  # fmt: skip
+        ("2x1", 2, "allreduce", "30mbit"),
+        ("2x1", 2, "signsgd_mv", "30mbit"),
+    ]
     for r in rows:
         idle = r["base_s"]
         wire = wire_seconds(r["bytes_crossing"], "30mbit", idle) - wire_seconds(r["bytes_crossing"], "10gbit", idle)

@@ -53,7 +53,7 @@ def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
         (["lost-node", "--down", "-1"], "--down: -1 must be a finite number >= 0"),
         (["lost-node", "--down", "soon"], "'soon' is not a number"),
     ],
-)  # fmt: skip
+)
 def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, message, capsys):
     from signmuon.benchmarks.__main__ import main
 
@@ -87,8 +87,24 @@ def test_sweep_runs_each_scale_and_seed(tmp_path):
 
     out = tmp_path / "sweep.json"
     # One method keeps it short: every method's builder takes the factor from the same config.
-    report = sweep.main(["--methods", "adamw", "--lr-scales", "0.5", "2", "--seeds", "0", "1",
-                         "--world-size", "2", "--steps", "3", "--json", str(out)])  # fmt: skip
+    report = sweep.main(
+        [
+            "--methods",
+            "adamw",
+            "--lr-scales",
+            "0.5",
+            "2",
+            "--seeds",
+            "0",
+            "1",
+            "--world-size",
+            "2",
+            "--steps",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     assert len(report["grid"]) == 2 * 2
     assert json.loads(out.read_text())["command"].startswith("signmuon-bench sweep --methods adamw")
     losses = {(r["method"], r["lr_scale"], r["seed"]): r["test_loss"] for r in report["grid"]}
@@ -96,9 +112,25 @@ def test_sweep_runs_each_scale_and_seed(tmp_path):
     assert losses[("adamw", 0.5, 0)] != losses[("adamw", 0.5, 1)], "the seed reaches the run"
 
 
-@pytest.mark.parametrize("command", ["train", "bandwidth", "kernels", "ddp-step", "deepspeed-step", "netem", "ns-time",
-                                     "direction-time", "ns-precision", "sweep", "dppf-sweep", "zero-structure", "lost-node",
-                                     "round-time"])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        "train",
+        "bandwidth",
+        "kernels",
+        "ddp-step",
+        "deepspeed-step",
+        "netem",
+        "ns-time",
+        "direction-time",
+        "ns-precision",
+        "sweep",
+        "dppf-sweep",
+        "zero-structure",
+        "lost-node",
+        "round-time",
+    ],
+)
 def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     from signmuon.benchmarks.__main__ import main
 
@@ -132,15 +164,27 @@ def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():
     from signmuon.benchmarks.dppf_sweep import aggregate
 
     def row(period, pull, push, seed, loss, acc):
-        return {"period": period, "pull": pull, "push": push, "seed": seed, "test_loss": loss, "test_acc": acc,
-                "worker_acc": acc, "mean_distance": push}  # fmt: skip
+        return {
+            "period": period,
+            "pull": pull,
+            "push": push,
+            "seed": seed,
+            "test_loss": loss,
+            "test_acc": acc,
+            "worker_acc": acc,
+            "mean_distance": push,
+        }
 
     rows = [
-        row(8, 1.0, 0.0, 0, 1.00, 0.90), row(8, 1.0, 0.0, 1, 1.10, 0.92),  # local SGD: loss 1.05 ± 0.07
-        row(8, 0.5, 0.2, 0, 0.80, 0.95), row(8, 0.5, 0.2, 1, 0.82, 0.96),  # better beyond the spread
-        row(8, 0.5, 0.0, 0, 1.00, 0.91), row(8, 0.5, 0.0, 1, 1.20, 0.93),  # overlaps
-        row(32, 1.0, 0.0, 0, 0.50, 0.99), row(32, 0.5, 0.2, 0, 0.90, float("nan")),  # worse; NaN acc is worse
-    ]  # fmt: skip
+        row(8, 1.0, 0.0, 0, 1.00, 0.90),
+        row(8, 1.0, 0.0, 1, 1.10, 0.92),  # local SGD: loss 1.05 ± 0.07
+        row(8, 0.5, 0.2, 0, 0.80, 0.95),
+        row(8, 0.5, 0.2, 1, 0.82, 0.96),  # better beyond the spread
+        row(8, 0.5, 0.0, 0, 1.00, 0.91),
+        row(8, 0.5, 0.0, 1, 1.20, 0.93),  # overlaps
+        row(32, 1.0, 0.0, 0, 0.50, 0.99),
+        row(32, 0.5, 0.2, 0, 0.90, float("nan")),  # worse; NaN acc is worse
+    ]
     by_key = {(e["period"], e["pull"], e["push"]): e for e in aggregate(rows)}
     assert by_key[(8, 1.0, 0.0)]["test_loss"] == (pytest.approx(1.05), pytest.approx(0.1 / 2**0.5))
     assert by_key[(8, 1.0, 0.0)]["loss_beyond_spread"] is None, "local SGD is the reference"
@@ -152,8 +196,25 @@ def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():
 def test_dppf_sweep_trains_local_sgd_and_each_pull_push(tmp_path):
     from signmuon.benchmarks import dppf_sweep
 
-    report = dppf_sweep.main(["--periods", "8", "--pulls", "1", "--pushes", "0", "0.5", "--seeds", "0",
-                              "--world-size", "2", "--steps", "9", "--json", str(tmp_path / "d.json")])  # fmt: skip
+    report = dppf_sweep.main(
+        [
+            "--periods",
+            "8",
+            "--pulls",
+            "1",
+            "--pushes",
+            "0",
+            "0.5",
+            "--seeds",
+            "0",
+            "--world-size",
+            "2",
+            "--steps",
+            "9",
+            "--json",
+            str(tmp_path / "d.json"),
+        ]
+    )
     runs = {(r["pull"], r["push"]): r for r in report["runs"]}
     assert set(runs) == {(1.0, 0.0), (1.0, 0.5)} and all(r["rounds"] >= 1 for r in runs.values())
     assert runs[(1.0, 0.0)]["test_loss"] != runs[(1.0, 0.5)]["test_loss"], "the push reaches the averager"
@@ -198,8 +259,13 @@ def test_a_torchrun_benchmark_on_gloo_ends_without_the_interpreters_teardown():
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     outputs = {}
     for make_group in (True, False):
-        done = subprocess.run([sys.executable, "-c", END_AFTER_GROUP.format(make_group=make_group)], env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", END_AFTER_GROUP.format(make_group=make_group)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done
         outputs[make_group] = done.stdout
     assert outputs == {True: "ranks 1", False: " returned teardown\n"}
@@ -208,9 +274,29 @@ def test_a_torchrun_benchmark_on_gloo_ends_without_the_interpreters_teardown():
 def test_ddp_step_counts_the_hook_momentum_and_the_node_aware_rows_hold_a_slice_of_it():
     from signmuon.benchmarks import ddp_step
 
-    rows = ddp_step.main(["--world-size", "4", "--ranks-per-node", "2", "--width", "64", "--depth", "2", "--steps", "1",
-                          "--warmup", "1", "--methods", "signum_mv", "signum_mv_node", "signsgd_mv_node"])  # fmt: skip
-    flat, node, no_momentum = (next(r for r in rows if r["method"] == m) for m in ("signum_mv", "signum_mv_node", "signsgd_mv_node"))
+    rows = ddp_step.main(
+        [
+            "--world-size",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--width",
+            "64",
+            "--depth",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--methods",
+            "signum_mv",
+            "signum_mv_node",
+            "signsgd_mv_node",
+        ]
+    )
+    flat, node, no_momentum = (
+        next(r for r in rows if r["method"] == m) for m in ("signum_mv", "signum_mv_node", "signsgd_mv_node")
+    )
     assert flat["state_bytes"] == 4 * flat["params"]  # one float32 momentum, the whole model
     assert 2 * node["state_bytes"] <= flat["state_bytes"] + 2 * 4 * 8  # L = 2: about half (slices round up)
     assert node["state_bytes"] >= flat["state_bytes"] // 2
@@ -220,7 +306,9 @@ def test_ddp_step_counts_the_hook_momentum_and_the_node_aware_rows_hold_a_slice_
 def test_ddp_step_rounds_take_each_methods_median_and_keep_a_failure():
     from signmuon.benchmarks.ddp_step import merge_rounds
 
-    passes = [[{"method": "a", "step_s": t, "bytes_per_rank": 7}, {"method": "b", "step_s": 2 * t}] for t in (3.0, 1.0, 2.0)]
+    passes = [
+        [{"method": "a", "step_s": t, "bytes_per_rank": 7}, {"method": "b", "step_s": 2 * t}] for t in (3.0, 1.0, 2.0)
+    ]
     passes[1][1] = {"method": "b", "error": "boom"}
     a, b = merge_rounds(passes)
     assert a == {"method": "a", "step_s": 2.0, "bytes_per_rank": 7, "step_s_rounds": [3.0, 1.0, 2.0]}

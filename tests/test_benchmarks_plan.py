@@ -21,11 +21,15 @@ def test_plan_bytes_are_the_collectives_formulas():
     node_vote = predict("signsgd_mv_node", nodes, work)
     per_rail = vote_bytes_per_rank(n // 2, 2, agree_sizes=False)
     assert node_vote["between_bytes_per_node"] == pytest.approx(2 * per_rail, rel=1e-3)  # the node's two rails
-    assert predict("signsgd_mv", flat, Workload(n, 0.01, zero_bits=1.0))["between_bytes_per_node"] == pytest.approx(2 * dense)
+    assert predict("signsgd_mv", flat, Workload(n, 0.01, zero_bits=1.0))["between_bytes_per_node"] == pytest.approx(
+        2 * dense
+    )
     # Rounds every H steps: the fp32 round's ring over the nodes (each rail a 1/L slice), spread over H.
     rounds = predict("diloco_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"]
     assert rounds == pytest.approx(2 * ring_bytes(4 * n // 2, 2) / 8)
-    assert predict("diloco_vote_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"] == pytest.approx(rounds / 32)
+    assert predict("diloco_vote_node", nodes, Workload(n, 0.01, period=8))["between_bytes_per_node"] == pytest.approx(
+        rounds / 32
+    )
 
 
 def test_plan_crossover_is_where_the_step_times_meet():
@@ -72,8 +76,22 @@ def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
 def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
     from signmuon.benchmarks import plan
 
-    common = ["--params", "1e8", "--compute-ms", "50", "--nodes", "4", "--ranks-per-node", "2", "--link", "1gbit",
-              "--methods", "allreduce_node", "diloco_node", "diloco_vote_node"]  # fmt: skip
+    common = [
+        "--params",
+        "1e8",
+        "--compute-ms",
+        "50",
+        "--nodes",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "--link",
+        "1gbit",
+        "--methods",
+        "allreduce_node",
+        "diloco_node",
+        "diloco_vote_node",
+    ]
     default = {r["method"]: r for r in plan.main(common)}
     assert "a round every 32 steps" in capsys.readouterr().out
     chosen = {r["method"]: r for r in plan.main(common + ["--period", "8", "--round-bits", "1.17"])}
@@ -97,12 +115,20 @@ def test_validation_passes_combine_into_medians_per_point():
     from signmuon.benchmarks.plan import main, median_rows
 
     def point(rate, predicted, measured):
-        return {"layout": "4x1", "world_size": 4, "method": "signsgd_mv", "rate": rate, "predicted_s": predicted,
-                "measured_s": measured}
+        return {
+            "layout": "4x1",
+            "world_size": 4,
+            "method": "signsgd_mv",
+            "rate": rate,
+            "predicted_s": predicted,
+            "measured_s": measured,
+        }
 
-    passes = [[point("30mbit", 0.05, 0.04), point("1gbit", 0.03, 0.02)],
-              [point("30mbit", 0.06, 0.05), point("1gbit", 0.03, 0.04)],
-              [point("30mbit", 0.07, 0.03), point("1gbit", 0.03, 0.03)]]  # fmt: skip
+    passes = [
+        [point("30mbit", 0.05, 0.04), point("1gbit", 0.03, 0.02)],
+        [point("30mbit", 0.06, 0.05), point("1gbit", 0.03, 0.04)],
+        [point("30mbit", 0.07, 0.03), point("1gbit", 0.03, 0.03)],
+    ]
     slow, fast = median_rows(passes)
     assert (slow["predicted_s"], slow["measured_s"]) == (0.06, 0.04) and slow["ratio"] == pytest.approx(1.5)
     assert fast["ratio"] == pytest.approx(1.0) and fast["pass_ratios"] == pytest.approx([1.5, 0.75, 1.0])
@@ -144,8 +170,11 @@ def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
     ring = predict("allreduce", cluster, Workload(n, 0.3))
     assert ring["exposed_comm_s"] == pytest.approx(ring["comm_s"] - 0.2 * 0.9)  # 3.1 s of ring: longer than backward
     one_bucket = Workload(1000, 1.0)
-    assert one_bucket.buckets == 1 and predict("allreduce", cluster, one_bucket)["exposed_comm_s"] == \
-        predict("allreduce", cluster, one_bucket)["comm_s"]  # nothing to overlap with  # fmt: skip
+    assert (
+        one_bucket.buckets == 1
+        and predict("allreduce", cluster, one_bucket)["exposed_comm_s"]
+        == predict("allreduce", cluster, one_bucket)["comm_s"]
+    )  # nothing to overlap with
 
 
 def test_what_backward_cannot_hide_adds_whole():

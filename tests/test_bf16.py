@@ -37,7 +37,9 @@ def test_bf16_parameters_vote_bf16_gradients_with_float32_momentum_and_master_we
     assert all(torch.equal(a, b) for a, b in zip(trajectory[-1], results[1][0][-1])), "replicas differ"
     momenta = [[torch.zeros_like(p) for p in trajectory[0]] for _ in range(2)]
     for step in range(STEPS):  # each rank is its own "node": the flat vote of two workers
-        expected = node_reference_step("signmuon", trajectory[step], step, 2, 1, momenta, LR, BETA, dtype=torch.bfloat16)
+        expected = node_reference_step(
+            "signmuon", trajectory[step], step, 2, 1, momenta, LR, BETA, dtype=torch.bfloat16
+        )
         for a, b in zip(trajectory[step + 1], expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"step {step}")
     # The master weights keep what bf16 cannot hold; without them the parameters are the bf16 sums.

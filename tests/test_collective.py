@@ -49,12 +49,21 @@ def _vote_worker(rank: int, world_size: int) -> list:
         stats = CommStats()
         seed = 1234 + case["n"]
         if case["n"] == 1:
-            out = majority_vote_async(x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats).wait()
+            out = majority_vote_async(
+                x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats
+            ).wait()
         else:
-            out = majority_vote(x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats)
+            out = majority_vote(
+                x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats
+            )
         assert out.dtype == x.dtype and out.shape == x.shape
         if world_size > 1:  # the time split: every part of a vote is timed on this rank
-            assert stats.pack_seconds > 0 and stats.vote_seconds > 0 and stats.unpack_seconds > 0 and stats.wait_seconds > 0
+            assert (
+                stats.pack_seconds > 0
+                and stats.vote_seconds > 0
+                and stats.unpack_seconds > 0
+                and stats.wait_seconds > 0
+            )
         results.append((out.to(torch.int8), stats.bytes_sent, stats.bytes_received))
     return results
 
@@ -291,7 +300,9 @@ def test_zero_coins_on_unaligned_segments_of_a_slice_follow_the_definition():
     x[500 - first : 613 - first] = 0.0  # segment 4: zero throughout
     x[613 - first + 64 :] = 0.0  # the last segment partly zero: its zeros take coins
     for seed, step in ((0, 4), (3, 9)):
-        voted = majority_vote(x, config=VoteConfig(zeros="coin", seed=seed), step=step, segments=segments, first_entry=first)
+        voted = majority_vote(
+            x, config=VoteConfig(zeros="coin", seed=seed), step=step, segments=segments, first_entry=first
+        )
         rank_key = mix64(((call_key(seed, step) ^ ZERO_COIN_SALT) + GOLDEN) & MASK64)
         expected = torch.sign(x)
         for s, key in enumerate(segments.keys):
@@ -337,7 +348,9 @@ def test_shards_too_long_for_int32_positions_send_their_zeros_as_planes(monkeypa
     plane = as_words(pack_nonzero(x), x.numel())
     words = plane.numel()
     listed = int(codes.zero_codes(plane.unsqueeze(0), words)[0])
-    assert listed & codes.ZERO_LIST and torch.equal(codes.plane_of(listed, codes.extra_of(plane, listed), words, "cpu"), plane)
+    assert listed & codes.ZERO_LIST and torch.equal(
+        codes.plane_of(listed, codes.extra_of(plane, listed), words, "cpu"), plane
+    )
     monkeypatch.setattr(codes, "POSITION_LIMIT", 64 * words - 1)
     code = int(codes.zero_codes(plane.unsqueeze(0), words)[0])
     assert code & codes.ZERO_PLANE and code >> 8 == words

@@ -9,13 +9,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import capture, compressed_allreduce_reference, run_distributed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
 from signmuon.optim import SignMuon
+from tests.harness import capture, compressed_allreduce_reference, run_distributed
 
 # DeepSpeed compiles a shared-memory op at its first init_distributed (~60 s): build it once
 # into a cache the spawned ranks inherit.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions"))
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions")
+)
 
 OPT_PARAMS = {"lr": 0.01, "momentum": 0.9, "polar_after_vote": True, "weight_decay": 0.01}
 STEPS = 4
@@ -45,7 +47,11 @@ def _config(gas=1, optimizer_type="SignMuon", **extra):
 def _deepspeed_run(
     rank, world_size, gas, steps, start=0, load=None, save=None, scheduler=False, overlap=True, clip=0.0, bf16=False
 ):
-    extra = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}}} if scheduler else {}
+    extra = (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}}}
+        if scheduler
+        else {}
+    )
     extra |= {"bf16": {"enabled": True}} if bf16 else {}
     model = _model()
     config = {**_config(gas, **extra), "gradient_clipping": clip}
@@ -70,9 +76,14 @@ def _deepspeed_run(
     hook_calls = optimizer.comm_state.stats.calls if overlap else 0
     masters = [optimizer.state[p]["master_weight"].clone() for p in model.parameters()] if bf16 else []
     return dict(
-        history=history, lrs=lrs, scheduler=type(lr_scheduler).__name__, voted_in_backward=voted_in_backward,
-        hook_calls=hook_calls, step_bytes=optimizer.stats.bytes_sent, masters=masters,
-    )  # fmt: skip
+        history=history,
+        lrs=lrs,
+        scheduler=type(lr_scheduler).__name__,
+        voted_in_backward=voted_in_backward,
+        hook_calls=hook_calls,
+        step_bytes=optimizer.stats.bytes_sent,
+        masters=masters,
+    )
 
 
 def _ddp_run(rank, world_size, gas, steps, bf16=False):
@@ -95,7 +106,9 @@ def _ddp_run(rank, world_size, gas, steps, bf16=False):
 
 
 def _both(rank, world_size, gas, overlap, clip):
-    return _deepspeed_run(rank, world_size, gas, STEPS, overlap=overlap, clip=clip), _ddp_run(rank, world_size, gas, STEPS)
+    return _deepspeed_run(rank, world_size, gas, STEPS, overlap=overlap, clip=clip), _ddp_run(
+        rank, world_size, gas, STEPS
+    )
 
 
 @pytest.mark.parametrize(
@@ -155,7 +168,9 @@ def test_checkpoint_resume_and_scheduler(tmp_path):
             assert torch.equal(a, b), "resumed run differs (momentum of some rank lost?)"
     # Each rank's optimizer state in a file of its own; rank 0's DeepSpeed file holds no other rank's.
     assert sorted(p.name for p in (tmp_path / "t").glob("signmuon_optimizer_rank*.pt")) == [
-        "signmuon_optimizer_rank00000.pt", "signmuon_optimizer_rank00001.pt"]
+        "signmuon_optimizer_rank00000.pt",
+        "signmuon_optimizer_rank00001.pt",
+    ]
     for path in (tmp_path / "t").glob("*model_states.pt"):
         optimizer_state = torch.load(path, weights_only=False)["optimizer"]
         assert "rank_states" not in optimizer_state["signmuon"]
@@ -193,18 +208,26 @@ def test_config_without_our_types_is_plain_deepspeed():
 @pytest.mark.parametrize(
     "config, match",
     [
-        (_config(optimizer_type="signmuon") | {"optimizer": {"type": "SignMuon", "params": {"lr": 0.1, "betas": 1}}},
-         r"unknown params \['betas'\].*valid: \[.*'momentum'"),
-        (_config(zero_optimization={"stage": 2}), "ZeRO stage 2.*stage\": 0"),
+        (
+            _config(optimizer_type="signmuon") | {"optimizer": {"type": "SignMuon", "params": {"lr": 0.1, "betas": 1}}},
+            r"unknown params \['betas'\].*valid: \[.*'momentum'",
+        ),
+        (_config(zero_optimization={"stage": 2}), 'ZeRO stage 2.*stage": 0'),
         (_config(fp16={"enabled": True}), "fp16.*fp32"),
         (_config(bf16={"enabled": True, "immediate_grad_update": True}), r"bf16 settings \['immediate_grad_update'\]"),
         (_config(zero_optimization={"stage": 1}), "momentum must stay whole.*register_fsdp_vote"),
-        (_config(optimizer_type="SIGNUMMV") | {"optimizer": {"type": "SIGNUMMV", "params": {"polar_after_vote": True}}},
-         r"unknown params \['polar_after_vote'\] for optimizer SIGNUMMV"),
-        (_config(csv_monitor={"enabled": True, "output_path": "logs", "job_name": "../x"}), "csv_monitor.job_name='../x'"),
+        (
+            _config(optimizer_type="SIGNUMMV")
+            | {"optimizer": {"type": "SIGNUMMV", "params": {"polar_after_vote": True}}},
+            r"unknown params \['polar_after_vote'\] for optimizer SIGNUMMV",
+        ),
+        (
+            _config(csv_monitor={"enabled": True, "output_path": "logs", "job_name": "../x"}),
+            "csv_monitor.job_name='../x'",
+        ),
         (_config(tensorboard={"enabled": True, "job_name": "/tmp/x"}), "plain directory name"),
     ],
-)  # fmt: skip
+)
 def test_refused_configs(config, match):
     with pytest.raises(ValueError, match=match):
         initialize(model=_model(), config=config)
@@ -247,14 +270,18 @@ def test_compressed_allreduce_matches_reference(world_size, shape):
     worker_errors = [torch.zeros(padded) for _ in range(world_size)]
     server_errors = [torch.zeros(padded // world_size) for _ in range(world_size)]
     for call in range(calls):
-        buffers = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + call)) for r in range(world_size)]
+        buffers = [
+            torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + call)) for r in range(world_size)
+        ]
         expected, worker_errors, server_errors = compressed_allreduce_reference(buffers, worker_errors, server_errors)
         for r in range(world_size):
             out, w_err, s_err = results[r][0][call]
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(w_err, worker_errors[r], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(s_err, server_errors[r], rtol=1e-5, atol=1e-6)
-    votes = torch.stack([torch.sign(torch.randn(37, generator=torch.Generator().manual_seed(r))) for r in range(world_size)])
+    votes = torch.stack(
+        [torch.sign(torch.randn(37, generator=torch.Generator().manual_seed(r))) for r in range(world_size)]
+    )
     assert torch.equal(results[0][1], torch.sign(votes.sum(0)))
     assert results[0][2] > 0
 

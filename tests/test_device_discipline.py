@@ -76,10 +76,15 @@ def _hook_reads(world, state, hook, iterations: int = 4) -> list[int]:
 @pytest.mark.parametrize(
     "backend, expected",
     [
-        ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"), ("gloo", "cpu"), ("cpu:gloo", "cpu"),
-        ("cpu:gloo,cuda:gloo", "cpu"), ("torchft-nccl", "cuda:3"), ("meta:fake", "meta"),
+        ("nccl", "cuda:3"),
+        ("cpu:gloo,cuda:nccl", "cuda:3"),
+        ("gloo", "cpu"),
+        ("cpu:gloo", "cpu"),
+        ("cpu:gloo,cuda:gloo", "cpu"),
+        ("torchft-nccl", "cuda:3"),
+        ("meta:fake", "meta"),
     ],
-)  # fmt: skip
+)
 def test_the_group_device_follows_the_backend(monkeypatch, backend, expected):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -105,7 +110,9 @@ def test_the_flat_vote_hook_keeps_its_collectives_on_the_device_and_reads_once_p
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_the_node_aware_vote_hook_keeps_its_collectives_on_the_device(momentum):
     with gpu_world(4) as world:
-        state = SignVoteState(None, momentum=momentum, start_iter=1, vote=VoteConfig(hierarchical=True, ranks_per_node=2))
+        state = SignVoteState(
+            None, momentum=momentum, start_iter=1, vote=VoteConfig(hierarchical=True, ranks_per_node=2)
+        )
         _hook_reads(world, state, sign_vote_hook)
         assert not world.misplaced, world.misplaced
 
@@ -153,8 +160,16 @@ def test_the_fsdp_voter_reads_twice_per_step(owner):
     """The node's NaN flags (one read, which decides whose momentum moves) and the vote's headers."""
     with gpu_world(4, rank=1) as world:
         voter = ShardVoter(node_layout(None, 2), VoteConfig(), CommStats())
-        specs = [ShardSpec((32, 16), key=0, owner=owner), ShardSpec((32,), key=1), ShardSpec((4, 32), key=2, owner=owner)]
-        shards = [torch.randn(16, 16, device=world.device), torch.randn(16, device=world.device), torch.randn(2, 32, device=world.device)]
+        specs = [
+            ShardSpec((32, 16), key=0, owner=owner),
+            ShardSpec((32,), key=1),
+            ShardSpec((4, 32), key=2, owner=owner),
+        ]
+        shards = [
+            torch.randn(16, 16, device=world.device),
+            torch.randn(16, device=world.device),
+            torch.randn(2, 32, device=world.device),
+        ]
         reads = []
         for step in range(3):
             world.reads.reset()
@@ -198,7 +213,9 @@ def test_the_first_outer_round_checks_its_start_on_the_device(rule):
     called here directly: in this world every rank reads as if it had been checked already."""
     with gpu_world(4) as world:
         model = on_device(mlp, world.device)
-        averager = DPPFAverager(period=1, module=model, outer=OuterStep.diloco(pseudo_gradient=rule), track_distances=False)
+        averager = DPPFAverager(
+            period=1, module=model, outer=OuterStep.diloco(pseudo_gradient=rule), track_distances=False
+        )
         _with_grads(model)
         averager.average_parameters(model.parameters())
         averager.consensus.check_same_start(averager.stats)
@@ -210,7 +227,9 @@ def test_node_aware_rounds_keep_their_collectives_on_the_device():
         model = on_device(mlp, world.device)
         layout = node_layout(None, 2)
         assert isinstance(layout, NodeLayout)
-        averager = DPPFAverager(period=1, module=model, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), layout=layout)
+        averager = DPPFAverager(
+            period=1, module=model, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), layout=layout
+        )
         for _ in range(2):
             _with_grads(model)
             averager.average_parameters(model.parameters())
@@ -333,7 +352,9 @@ def test_fsdp_newton_schulz_sends_each_matrix_to_its_owner_alone():
         voted = voter.vote(shards, specs, lambda i, g: g, lambda i, t: t, lambda i, t: t, step=0, label="test")
         assert [tuple(v.shape) for v in voted] == [(32, 32)] * matrices
         assert not world.misplaced, world.misplaced
-    float_in = [t for name, ts in world.collectives if name == "all_to_all_single" for t in ts[:1] if t.dtype == torch.float32]
+    float_in = [
+        t for name, ts in world.collectives if name == "all_to_all_single" for t in ts[:1] if t.dtype == torch.float32
+    ]
     entries = matrices * 64 * 32
     forward, back = float_in  # the directions to their owners, the polar results back
     assert forward.numel() * 4 <= (1 / L + 0.05) * 4 * entries, (forward.numel(), entries)
@@ -343,7 +364,11 @@ def test_fsdp_newton_schulz_sends_each_matrix_to_its_owner_alone():
 def test_fsdp_owned_matrices_whose_rows_do_not_divide_come_back_as_this_ranks_rows():
     with gpu_world(4, rank=1) as world:  # local rank 1 of 2
         voter = ShardVoter(node_layout(None, 2), VoteConfig(), CommStats())
-        specs = [ShardSpec((3, 16), key=0, owner=0), ShardSpec((1, 16), key=1, owner=1), ShardSpec((5, 4), key=2, owner=1)]
+        specs = [
+            ShardSpec((3, 16), key=0, owner=0),
+            ShardSpec((1, 16), key=1, owner=1),
+            ShardSpec((5, 4), key=2, owner=1),
+        ]
         shards = [torch.randn(1, 16, device=world.device), None, torch.randn(2, 4, device=world.device)]
         voted = voter.vote(shards, specs, lambda i, g: g, lambda i, t: t, lambda i, t: t, step=0, label="test")
         assert [tuple(v.shape) for v in voted] == [(1, 16), (0, 16), (2, 4)]

@@ -15,8 +15,11 @@ def test_docs_site_builds_strict(tmp_path):
     site = tmp_path / "site"
     run = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     api = (site / "api" / "comm_hooks" / "index.html").read_text()
     # Text that exists only in the docstrings: the reference is generated from them.

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from tests.harness import run_distributed
 from signmuon.optim import DPPFAverager, inverse_mean_valley
+from tests.harness import run_distributed
 
 
 def _rank_model(rank: int) -> nn.Module:
@@ -35,11 +35,18 @@ def _round_worker(rank, world_size, pull, push, distance):
     restored = DPPFAverager(period=3, warmup_steps=2, pull=pull, push=push, distance=distance)
     restored.load_state_dict(state)
     return dict(
-        before=before, after=after, unchanged=unchanged, running_mean=model[1].running_mean.clone(),
-        rounds=averager.rounds, mean_distance=averager.mean_distance, max_distance=averager.max_distance,
-        bytes=averager.stats.bytes_sent, restored=(restored.step, restored.rounds), state=state,
+        before=before,
+        after=after,
+        unchanged=unchanged,
+        running_mean=model[1].running_mean.clone(),
+        rounds=averager.rounds,
+        mean_distance=averager.mean_distance,
+        max_distance=averager.max_distance,
+        bytes=averager.stats.bytes_sent,
+        restored=(restored.step, restored.rounds),
+        state=state,
         moved_after=torch.equal(after[0], model[0].weight),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("distance", ["model", "tensor"])
@@ -125,8 +132,6 @@ def test_worker_distance_settles_near_push_over_pull():
         assert max(distances[-30:]) < 1.5 * push / pull, ("stable: no drift away", pull, push)
 
 
-
-
 class _Quadratic(nn.Module):
     """Loss 0.5 * curvature * (w - w0)^2 in one parameter: valley half-width sqrt(2*delta/curvature)."""
 
@@ -179,9 +184,16 @@ def test_inverse_mean_valley_properties():
 
 def _bad_worker(rank, world_size):
     errors = []
-    for kwargs in [dict(period=0), dict(period=2.5), dict(period=2, warmup_steps=-1), dict(period=2, pull=-0.1),
-                   dict(period=2, pull=1.5), dict(period=2, push=-1.0), dict(period=2, eps=0.0),
-                   dict(period=2, distance="layer")]:  # fmt: skip
+    for kwargs in [
+        dict(period=0),
+        dict(period=2.5),
+        dict(period=2, warmup_steps=-1),
+        dict(period=2, pull=-0.1),
+        dict(period=2, pull=1.5),
+        dict(period=2, push=-1.0),
+        dict(period=2, eps=0.0),
+        dict(period=2, distance="layer"),
+    ]:
         try:
             DPPFAverager(**kwargs)
             errors.append(None)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import capture, flat_params, rounds_batch, rounds_inner, rounds_loss, rounds_model, run_distributed
 from signmuon.optim import DPPFAverager, OuterStep
+from tests.harness import capture, flat_params, rounds_batch, rounds_inner, rounds_loss, rounds_model, run_distributed
 
 H = 3  # local steps per round
 
@@ -49,7 +49,9 @@ def _fault_tolerant_replica(replica, local_rank, per_node, lighthouse, out_dir, 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/group{replica}-{life}", rank=local_rank, world_size=per_node)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{out_dir}/group{replica}-{life}", rank=local_rank, world_size=per_node
+        )
         fully_shard(model, mesh=init_device_mesh("cpu", (per_node,)))
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if local_rank == 0 else None
     port = torch.tensor([store.port if store is not None else 0])
@@ -59,10 +61,21 @@ def _fault_tolerant_replica(replica, local_rank, per_node, lighthouse, out_dir, 
     inner = rounds_inner(model)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
     manager = Manager(
-        pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None, replica_id=str(replica), store_addr="localhost",
-        store_port=int(port), rank=local_rank, world_size=per_node, lighthouse_addr=lighthouse, port=0,
-        timeout=timedelta(seconds=30), use_async_quorum=False, init_sync=False,
-    )  # fmt: skip
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id=str(replica),
+        store_addr="localhost",
+        store_port=int(port),
+        rank=local_rank,
+        world_size=per_node,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timedelta(seconds=30),
+        use_async_quorum=False,
+        init_sync=False,
+    )
     _OuterThatMayDie.dies = replica == 1 and life == "first"
     outer = OuterStep(optimizer=functools.partial(_OuterThatMayDie, lr=0.7, momentum=0.9, nesterov=True))
     averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model, process_group=pg)
@@ -71,7 +84,11 @@ def _fault_tolerant_replica(replica, local_rank, per_node, lighthouse, out_dir, 
     else:
         ready.wait()  # both heartbeat before the first quorum
     rounds = FaultTolerantRounds(manager, averager, inner)
-    whole = lambda: torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]) if per_node > 1 else flat_params(model).clone()  # noqa: E731
+    whole = lambda: (
+        torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+        if per_node > 1
+        else flat_params(model).clone()
+    )  # noqa: E731
     record = {"joined_at": rounds.steps_done, "at_join": whole(), "rounds": []}
     path = os.path.join(out_dir, f"{replica}.{local_rank}-{life}.pt")
     while rounds.steps_done < FT_STEPS:
@@ -105,10 +122,12 @@ def _run_lost_replica(per_node):
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             start = lambda group, life: [  # noqa: E731
-                ctx.Process(target=_fault_tolerant_replica,
-                            args=(group, r, per_node, lighthouse.address(), out_dir, life, ready, rejoiner_up))
+                ctx.Process(
+                    target=_fault_tolerant_replica,
+                    args=(group, r, per_node, lighthouse.address(), out_dir, life, ready, rejoiner_up),
+                )
                 for r in range(per_node)
-            ]  # fmt: skip
+            ]
             survivors, dying = start(0, "first"), start(1, "first")
             for p in survivors + dying:
                 p.start()
@@ -121,7 +140,11 @@ def _run_lost_replica(per_node):
             for p in survivors + back:
                 p.join(timeout=180)
             assert [p.exitcode for p in survivors + back] == [0] * (2 * per_node)
-            return {name[:-3]: torch.load(os.path.join(out_dir, name)) for name in os.listdir(out_dir) if name.endswith(".pt")}
+            return {
+                name[:-3]: torch.load(os.path.join(out_dir, name))
+                for name in os.listdir(out_dir)
+                if name.endswith(".pt")
+            }
     finally:
         lighthouse.shutdown()
 
@@ -146,7 +169,9 @@ def _lost_replica_reference(failed_at, joined_at, per_node=1):
         alive = [0, 1] if step < KILL_AT or step >= joined_at else [0]
         for w in alive:
             inners[w].zero_grad()
-            sum(rounds_loss(models[w], rounds_batch(w * per_node + i, step)) for i in range(per_node)).div(per_node).backward()
+            sum(rounds_loss(models[w], rounds_batch(w * per_node + i, step)) for i in range(per_node)).div(
+                per_node
+            ).backward()
             inners[w].step()
         if step + 1 == failed_at:  # rolled back: the survivor's own parameters stand
             after[0][step + 1] = flat_params(models[0]).clone()
@@ -166,7 +191,9 @@ def test_rounds_go_on_without_a_lost_replica_and_heal_it_when_it_returns(per_nod
     rounds run on each rank's shard over torchft's group of that shard, and the whole group dies."""
     runs = _run_lost_replica(per_node)
     for local_rank in range(per_node):
-        survivor, died, back = (runs[f"{g}.{local_rank}-{life}"] for g, life in ((0, "first"), (1, "first"), (1, "rejoined")))
+        survivor, died, back = (
+            runs[f"{g}.{local_rank}-{life}"] for g, life in ((0, "first"), (1, "first"), (1, "rejoined"))
+        )
         failed = [r for r in survivor["rounds"] if not r[1]]
         assert survivor["failed"] == 1 and len(failed) == 1, survivor["rounds"]
         failed_at = failed[0][0]
@@ -178,7 +205,11 @@ def test_rounds_go_on_without_a_lost_replica_and_heal_it_when_it_returns(per_nod
                 next_quorum = 1 if failed_at <= step < back["joined_at"] else 2  # the quorum begun after this round
                 assert participants == next_quorum, (replica, step, participants)
                 torch.testing.assert_close(
-                    params, reference[replica][step], rtol=1e-5, atol=1e-6, msg=f"replica {replica}.{local_rank} step {step}"
+                    params,
+                    reference[replica][step],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=f"replica {replica}.{local_rank} step {step}",
                 )
         # The rejoiner starts from the survivor's consensus, at the survivor's step.
         torch.testing.assert_close(back["at_join"], reference[0][back["joined_at"]], rtol=1e-5, atol=1e-6)
@@ -193,7 +224,11 @@ def _refused_rounds_worker(rank, world_size):
     good = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
     return (
         capture(lambda: FaultTolerantRounds(None, DPPFAverager(period=H, module=model), inner)),
-        capture(lambda: FaultTolerantRounds(None, DPPFAverager(period=H, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model), inner)),
+        capture(
+            lambda: FaultTolerantRounds(
+                None, DPPFAverager(period=H, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model), inner
+            )
+        ),
         capture(lambda: FaultTolerantRounds(object(), good, inner)),
     )
 

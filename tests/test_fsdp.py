@@ -39,7 +39,11 @@ def _whole(net):
 
 def _train(net, opt, rank, steps=STEPS, model=None):
     model = model or net
-    trajectory = [_whole(net) if hasattr(next(net.parameters()), "full_tensor") else [p.detach().clone() for p in net.parameters()]]
+    trajectory = [
+        _whole(net)
+        if hasattr(next(net.parameters()), "full_tensor")
+        else [p.detach().clone() for p in net.parameters()]
+    ]
     for step in range(steps):
         x, y = batch(rank, step)
         opt.zero_grad()
@@ -66,7 +70,9 @@ def _reference_worker(rank, world_size, per_node):
         register_fsdp_vote(net, opt, mesh)
         out[f"fsdp_{name}"] = _train(net, opt, rank)
     net = tiny_net()
-    opt = _optimizer("signmuon", net.parameters(), VoteConfig(hierarchical=True, ranks_per_node=per_node), vote_in_step=True)
+    opt = _optimizer(
+        "signmuon", net.parameters(), VoteConfig(hierarchical=True, ranks_per_node=per_node), vote_in_step=True
+    )
     out["in_step_fast"] = _train(net, opt, rank)
     # Non-matrix parameters on AdamW over the full-precision mean, as in DDP.
     net = _sharded_net(mesh)
@@ -92,7 +98,9 @@ def test_fsdp_vote_equals_the_node_level_reference_and_the_node_aware_ddp_path(w
     results = run_distributed(_reference_worker, world_size, per_node, timeout=400)
     for result in results[1:]:
         for key in results[0]:
-            assert all(torch.equal(a, b) for a, b in zip(results[0][key][-1], result[key][-1])), f"{key}: replicas differ"
+            assert all(torch.equal(a, b) for a, b in zip(results[0][key][-1], result[key][-1])), (
+                f"{key}: replicas differ"
+            )
     out = results[0]
     for kind in KINDS:
         trajectory = out[kind]
@@ -100,13 +108,24 @@ def test_fsdp_vote_equals_the_node_level_reference_and_the_node_aware_ddp_path(w
         base = "signmuon" if kind.startswith("signmuon") else kind
         for step in range(STEPS):
             expected = node_reference_step(
-                base, trajectory[step], step, nodes, per_node, momenta, LR, BETA if kind != "signsgd" else 0.0,
+                base,
+                trajectory[step],
+                step,
+                nodes,
+                per_node,
+                momenta,
+                LR,
+                BETA if kind != "signsgd" else 0.0,
                 polar=kind == "signmuon_polar",
-            )  # fmt: skip
+            )
             for a, b in zip(trajectory[step + 1], expected):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{kind} step {step}")
         assert all(not torch.equal(a, b) for a, b in zip(trajectory[-1], trajectory[0])), kind
-    for fsdp, unsharded in (("fsdp_fast", "in_step_fast"), ("fsdp_exact", "ddp_exact"), ("fsdp_adamw", "in_step_adamw")):
+    for fsdp, unsharded in (
+        ("fsdp_fast", "in_step_fast"),
+        ("fsdp_exact", "ddp_exact"),
+        ("fsdp_adamw", "in_step_adamw"),
+    ):
         for step, (a_params, b_params) in enumerate(zip(out[fsdp], out[unsharded])):
             for a, b in zip(a_params, b_params):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{fsdp} vs {unsharded}, step {step}")
@@ -156,7 +175,9 @@ def _precision_worker(rank, world_size, reduce_dtype, accumulate):
             net.set_requires_gradient_sync(m == len(micro) - 1)
             nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
-    dtypes = sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0})
+    dtypes = sorted(
+        {str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
+    )
     return before, _whole(net), dtypes, opt.stats.calls
 
 
@@ -226,7 +247,9 @@ def _refusal_worker(rank, world_size):
     fully_shard(hsdp, mesh=hsdp_mesh)
     errors["hsdp"] = capture(lambda: register_fsdp_vote(hsdp, SignumMV(hsdp.parameters(), lr=LR), mesh))
     partial = _sharded_net(mesh)
-    errors["missing"] = capture(lambda: register_fsdp_vote(partial, SignumMV(list(partial.parameters())[:2], lr=LR), mesh))
+    errors["missing"] = capture(
+        lambda: register_fsdp_vote(partial, SignumMV(list(partial.parameters())[:2], lr=LR), mesh)
+    )
     plain = tiny_net()
     errors["unsharded"] = capture(lambda: register_fsdp_vote(plain, SignumMV(plain.parameters(), lr=LR), mesh))
     return errors
@@ -277,7 +300,9 @@ def _checkpoint_worker(rank, world_size, path, per_node, phase):
     state = {"model": model_state, "optim": optim_state}
     error = capture(lambda: dcp.load(state, checkpoint_id=path))
     if error is None:
-        error = capture(lambda: set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]))
+        error = capture(
+            lambda: set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        )
     if error is not None:
         return error
     assert opt.steps_taken == 2

@@ -8,11 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.harness import run_distributed
 from signmuon.comm_hooks import VoteConfig, majority_vote, unpack_signs
-from tests.harness import pack_nonzero_reference, pack_signs_reference, unpack_signs_reference, vote_reference
-from signmuon.comm_hooks.vote.packing import pack_planes
 from signmuon.comm_hooks.kernels.torch_ops import vote_packed
+from signmuon.comm_hooks.vote.packing import pack_planes
+from tests.harness import (
+    pack_nonzero_reference,
+    pack_signs_reference,
+    run_distributed,
+    unpack_signs_reference,
+    vote_reference,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 1e-310, 5e-8, -5e-8]

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import run_distributed
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook, vote_bytes_per_rank
 from signmuon.optim import SignMuon, SignumMV
-from tests.harness import batch, node_means, node_reference_step, tiny_net, vote_nodes
+from tests.harness import batch, node_means, node_reference_step, run_distributed, tiny_net, vote_nodes
 
 LR, BETA = 0.01, 0.9
 
@@ -176,8 +175,10 @@ def _staged_worker(rank, world_size):
     try:
         gen = torch.Generator().manual_seed(rank)
         xs = [torch.randn(1000, generator=gen) for _ in range(2)]
-        works = [NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000), tag=i)
-                 for i, x in enumerate(xs)]  # fmt: skip
+        works = [
+            NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000), tag=i)
+            for i, x in enumerate(xs)
+        ]
         stages = []
         for work in works:
             work.exchange()
@@ -185,7 +186,9 @@ def _staged_worker(rank, world_size):
             work.exchange()
             stages.append(work.exchanged)
         voted = [w.wait() for w in works]
-        alone = [NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000)).wait() for x in xs]
+        alone = [
+            NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000)).wait() for x in xs
+        ]
     finally:
         dist.all_reduce = all_reduce
     return issued[:2], stages, voted, alone
@@ -222,8 +225,18 @@ def _owned_staged_worker(rank, world_size):
     dist.all_reduce = lambda t, *a, **k: (issued.append(k.get("async_op", False)), all_reduce(t, *a, **k))[1]
     try:
         staged = [g.clone() for g in grads]
-        work = OwnedVoteWork(staged, directions, owner, keys, layout, VoteConfig(hierarchical=True), step=3, stats=None,
-                             label="test", tag=7)  # fmt: skip
+        work = OwnedVoteWork(
+            staged,
+            directions,
+            owner,
+            keys,
+            layout,
+            VoteConfig(hierarchical=True),
+            step=3,
+            stats=None,
+            label="test",
+            tag=7,
+        )
         before = list(calls)
         work.exchange()
         after_first = (list(calls), work.exchanged)
@@ -233,8 +246,18 @@ def _owned_staged_worker(rank, world_size):
     finally:
         dist.all_reduce = all_reduce
     alone = [g.clone() for g in grads]
-    OwnedVoteWork(alone, lambda i, mean: mean * (i + 1), owner, keys, layout, VoteConfig(hierarchical=True), step=3,
-                  stats=None, label="test", tag=7).wait()  # fmt: skip
+    OwnedVoteWork(
+        alone,
+        lambda i, mean: mean * (i + 1),
+        owner,
+        keys,
+        layout,
+        VoteConfig(hierarchical=True),
+        step=3,
+        stats=None,
+        label="test",
+        tag=7,
+    ).wait()
     return issued[0], before, after_first, exchanged, staged, alone
 
 
@@ -264,12 +287,14 @@ def _layout_worker(rank, world_size, env):
     "env, match",
     [
         ({"LOCAL_WORLD_SIZE": ["2", "2", "3", "2"]}, "nodes of different sizes"),
-        ({"LOCAL_WORLD_SIZE": ["2"] * 4, "GROUP_RANK": ["0", "1", "0", "1"], "LOCAL_RANK": ["0", "0", "1", "1"]},
-         "not node-contiguous"),
+        (
+            {"LOCAL_WORLD_SIZE": ["2"] * 4, "GROUP_RANK": ["0", "1", "0", "1"], "LOCAL_RANK": ["0", "0", "1", "1"]},
+            "not node-contiguous",
+        ),
         ({"LOCAL_WORLD_SIZE": ["3"] * 4}, "divide the world size"),
     ],
     ids=["sizes", "interleaved", "indivisible"],
-)  # fmt: skip
+)
 def test_bad_layout_fails_on_every_rank(env, match):
     for message in run_distributed(_layout_worker, 4, env):
         assert message is not None and match in message, message
@@ -332,8 +357,9 @@ def _signum_resume_worker(rank, world_size, steps, load, save, whole_pieces):
         for piece in whole.values():
             torch.distributed.all_reduce(piece, group=node_group)  # the node's slices are disjoint
         whole_state = {**hook, "momentum": whole, "momentum_starts": {}}
-        torch.save({"model": net.state_dict(), "hook": hook, "whole": whole_state, "step": start + steps},
-                   f"{save}.rank{rank}")  # fmt: skip
+        torch.save(
+            {"model": net.state_dict(), "hook": hook, "whole": whole_state, "step": start + steps}, f"{save}.rank{rank}"
+        )
     held = sum(buf.numel() for buf in state.momentum_buffers.values())
     return [p.detach().clone() for p in net.parameters()], held, sum(p.numel() for p in net.parameters())
 
@@ -425,8 +451,9 @@ def _slice_into_flat_worker(rank, world_size):
     model = DDP(net)
     state = SignVoteState(momentum=BETA, start_iter=1)
     first = next(net.parameters())
-    state.load_state_dict({**state.state_dict(), "iter": 1, "momentum": {0: torch.zeros(first.numel() - 1)},
-                           "momentum_starts": {0: 1}})  # fmt: skip
+    state.load_state_dict(
+        {**state.state_dict(), "iter": 1, "momentum": {0: torch.zeros(first.numel() - 1)}, "momentum_starts": {0: 1}}
+    )
     model.register_comm_hook(state, sign_vote_hook)
     x, y = batch(rank, 0)
     try:
@@ -451,13 +478,39 @@ def test_torchrun_two_nodes_on_one_machine_runs_the_benchmark():
     """Two torchrun launchers joined by c10d rendezvous, as two nodes of two ranks."""
     port = _free_port()
     root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
-               "-m", "signmuon.benchmarks.ddp_step", "--methods", "signsgd_mv", "signsgd_mv_node", "--width", "64",
-               "--depth", "2", "--warmup", "1", "--steps", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "nodes",
+        "-m",
+        "signmuon.benchmarks.ddp_step",
+        "--methods",
+        "signsgd_mv",
+        "signsgd_mv_node",
+        "--width",
+        "64",
+        "--depth",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launchers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
-                 for _ in range(2)]  # fmt: skip
+    launchers = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=240)[0] for p in launchers]
     assert all(p.returncode == 0 for p in launchers), outputs
     table = "\n".join(outputs)

@@ -11,13 +11,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import run_distributed
 from signmuon.comm_hooks import SignVoteState, VoteConfig, check_replicas, majority_vote, sign_vote_hook
 from signmuon.comm_hooks.dist import settings_digest
 from signmuon.integrations.deepspeed import SignCompressedBackend
 from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV
-from tests.harness import batch, capture, tiny_net
-
+from tests.harness import batch, capture, run_distributed, tiny_net
 
 # --- sizes that differ between ranks ---------------------------------------------------------
 
@@ -30,7 +28,9 @@ def _sizes_worker(rank, world_size, sizes):
 
 
 @pytest.mark.parametrize(
-    "sizes", [(1000, 1000, 1003), (0, 10), (1000, 2000), (64, 64, 129)], ids=["same-words", "empty", "other-words", "other-words-3"]
+    "sizes",
+    [(1000, 1000, 1003), (0, 10), (1000, 2000), (64, 64, 129)],
+    ids=["same-words", "empty", "other-words", "other-words-3"],
 )  # sizes that pack into different word counts used to abort the process (gloo SIGABRT)
 def test_vote_sizes_that_differ_raise_on_every_rank(sizes):
     results = run_distributed(_sizes_worker, len(sizes), sizes, timeout=120)
@@ -275,7 +275,9 @@ def test_checkpoint_all_ranks_is_compared_across_ranks():
 
 
 def test_settings_compare_numbers_by_value():
-    assert settings_digest({"lr": np.float64(0.001), "steps": np.int64(5)}) == settings_digest({"lr": 0.001, "steps": 5})
+    assert settings_digest({"lr": np.float64(0.001), "steps": np.int64(5)}) == settings_digest(
+        {"lr": 0.001, "steps": 5}
+    )
     assert settings_digest({"betas": (0.9, 2)}) == settings_digest({"betas": [np.float64(0.9), 2.0]})
     assert settings_digest({"lr": 0.001}) != settings_digest({"lr": 0.0011})
     assert settings_digest({"flag": True}) != settings_digest({"flag": 1})
@@ -341,8 +343,10 @@ def test_load_state_dict_validates_shapes_keys_and_dtypes():
 def _weights_only_worker(rank, world_size):
     net = tiny_net()
     loaded = []
-    for opt in (SignMuon(net.parameters(), lr=0.01, vote_in_step=True, checkpoint_all_ranks=True),
-                SignumMV(net.parameters(), lr=0.01, vote_in_step=True)):  # fmt: skip
+    for opt in (
+        SignMuon(net.parameters(), lr=0.01, vote_in_step=True, checkpoint_all_ranks=True),
+        SignumMV(net.parameters(), lr=0.01, vote_in_step=True),
+    ):
         buffer = io.BytesIO()
         torch.save(opt.state_dict(), buffer)  # checkpoint_all_ranks: every rank's state gathered
         buffer.seek(0)

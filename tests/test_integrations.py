@@ -49,9 +49,17 @@ def _lightning_fit(rank, make_optimizer, strategy, clip=None, steps=STEPS):
     module = Net()
     loader = torch.utils.data.DataLoader(_data(0, 96), batch_size=8)  # Lightning shards it per rank
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, max_steps=steps, gradient_clip_val=clip,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        strategy=strategy,
+        max_steps=steps,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, loader)
     return module
 
@@ -63,7 +71,10 @@ def _lightning(rank, world_size):
     from signmuon.optim import DPPFAverager, SignMuon, SignumMV
 
     out = {}
-    for name, make in {"SignMuon": lambda ps: SignMuon(ps, lr=0.02), "SignumMV": lambda ps: SignumMV(ps, lr=0.02)}.items():
+    for name, make in {
+        "SignMuon": lambda ps: SignMuon(ps, lr=0.02),
+        "SignumMV": lambda ps: SignumMV(ps, lr=0.02),
+    }.items():
         runs = [_lightning_fit(rank, make, SignDDPStrategy(), clip) for clip in (None, 0.01)]
         out[name] = dict(
             params=[[p.detach().clone() for p in m.parameters()] for m in runs],
@@ -72,13 +83,19 @@ def _lightning(rank, world_size):
         )
     state = SignVoteState(momentum=0.9)
     module = _lightning_fit(rank, lambda ps: torch.optim.SGD(ps, lr=0.02), SignDDPStrategy(comm_state=state))
-    out["hook"] = dict(calls=state.stats.calls, sent=state.stats.bytes_sent, params=[p.detach().clone() for p in module.parameters()])
+    out["hook"] = dict(
+        calls=state.stats.calls, sent=state.stats.bytes_sent, params=[p.detach().clone() for p in module.parameters()]
+    )
     out["hook_clip"] = capture(
-        lambda: _lightning_fit(rank, lambda ps: torch.optim.SGD(ps, lr=0.02), SignDDPStrategy(comm_state=SignVoteState()), 1.0)
+        lambda: _lightning_fit(
+            rank, lambda ps: torch.optim.SGD(ps, lr=0.02), SignDDPStrategy(comm_state=SignVoteState()), 1.0
+        )
     )
     averager = DPPFAverager(period=2, pull=0.5, push=0.01)
     module = _lightning_fit(rank, lambda ps: torch.optim.SGD(ps, lr=0.05), SignDDPStrategy(averager=averager))
-    out["dppf"] = dict(rounds=averager.rounds, sent=averager.stats.bytes_sent, params=[p.detach().clone() for p in module.parameters()])
+    out["dppf"] = dict(
+        rounds=averager.rounds, sent=averager.stats.bytes_sent, params=[p.detach().clone() for p in module.parameters()]
+    )
     out["nothing"] = capture(lambda: _lightning_fit(rank, lambda ps: torch.optim.SGD(ps, lr=0.02), SignDDPStrategy()))
     return out
 
@@ -190,7 +207,9 @@ def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -213,12 +232,29 @@ def _trainer(rank, world_size, tmp, deepspeed):
     def fit(max_grad_norm, spec, optimizers=(None, None)):
         model = _gpt2()
         args = TrainingArguments(
-            output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=0.01, max_grad_norm=max_grad_norm,
-            report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
-            deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                       "gradient_clipping": "auto", "zero_optimization": {"stage": 0}} if deepspeed else None,
-        )  # fmt: skip
-        trainer = SignTrainer(model=model, args=args, train_dataset=_Tokens(), sign_optimizer=spec, optimizers=optimizers)
+            output_dir=tmp,
+            max_steps=STEPS,
+            per_device_train_batch_size=4,
+            learning_rate=0.01,
+            max_grad_norm=max_grad_norm,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            deepspeed={
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 0},
+            }
+            if deepspeed
+            else None,
+        )
+        trainer = SignTrainer(
+            model=model, args=args, train_dataset=_Tokens(), sign_optimizer=spec, optimizers=optimizers
+        )
         probe = torch.stack([_Tokens()[i]["input_ids"] for i in range(8)])
         with torch.no_grad():
             before = model(input_ids=probe, labels=probe).loss.item()
@@ -230,10 +266,15 @@ def _trainer(rank, world_size, tmp, deepspeed):
             opt = opt.optimizer
         engine = trainer.model_wrapped
         return dict(
-            params=[p.detach().clone() for p in model.parameters()], loss=result.training_loss, calls=opt.comm_state.stats.calls,
-            sent=opt.comm_state.stats.bytes_sent, allreduce=getattr(engine, "enable_backward_allreduce", None),
-            type=type(opt).__name__, lr=opt.param_groups[0]["initial_lr"], losses=(before, after),
-        )  # fmt: skip
+            params=[p.detach().clone() for p in model.parameters()],
+            loss=result.training_loss,
+            calls=opt.comm_state.stats.calls,
+            sent=opt.comm_state.stats.bytes_sent,
+            allreduce=getattr(engine, "enable_backward_allreduce", None),
+            type=type(opt).__name__,
+            lr=opt.param_groups[0]["initial_lr"],
+            losses=(before, after),
+        )
 
     spec = {"type": "SignumMV", "params": {"momentum": 0.9}}
     out = {"clipped": fit(1.0, spec), "unclipped": fit(0.0, spec)}
@@ -248,7 +289,9 @@ def test_hf_trainer_builds_our_optimizer_and_votes(tmp_path, deepspeed):
     pytest.importorskip("transformers", reason="the transformers extra")
     if deepspeed:
         pytest.importorskip("deepspeed", reason="the deepspeed extra")
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions"))
+        os.environ.setdefault(
+            "TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions")
+        )
     results = run_distributed(_trainer, 2, str(tmp_path), deepspeed, timeout=400)
     for out in results:
         clipped, unclipped = out["clipped"], out["unclipped"]

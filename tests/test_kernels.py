@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from signmuon.comm_hooks import SignSegments
-from signmuon.comm_hooks.kernels import kernels_for
-from signmuon.comm_hooks.kernels import cpu, reference, torch_ops
+from signmuon.comm_hooks.kernels import cpu, kernels_for, reference, torch_ops
 from signmuon.comm_hooks.kernels.layout import words_for
 
 FAMILIES = {"numba": cpu, "torch": torch_ops}
@@ -59,10 +58,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 MOMENTUM_CASES = [  # (buffer dtype, gradient dtype): the hooks keep fp32 momentum for half gradients
-    (torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
     (torch.bfloat16, torch.float32),
-]  # fmt: skip
+]
 
 
 def _momentum_pack_matches(kernels, dtype, grad_dtype, n: int, weight: float, skip: bool, offset: int = 0) -> bool:
@@ -220,7 +223,9 @@ print("checked", checked, "fused", fused, "chunked", chunked)
 def test_triton_kernels_match_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"checked 24 fused 84 chunked {3 * len(DTYPES) + len(MOMENTUM_CASES)}" in done.stdout
 

@@ -11,9 +11,6 @@ from torch import nn
 from signmuon.optim import MUON_UPDATE_RMS, SignMuon, muon_param_groups, newton_schulz
 
 
-
-
-
 def test_float32_newton_schulz_ignores_a_global_tf32_setting():
     x = torch.randn(64, 96, dtype=torch.float64)
     exact = newton_schulz(x.float())
@@ -124,7 +121,10 @@ def test_muon_baseline_takes_routed_groups_of_a_conv_net():
     opt = MuonWithAdamW(muon_param_groups(net))
     muon, adamw = opt.optimizers
     assert [tuple(p.shape) for g in muon.param_groups for p in g["params"]] == [(32, 144)]
-    assert sum(p.numel() for g in adamw.param_groups for p in g["params"]) == sum(p.numel() for p in net.parameters()) - 32 * 144
+    assert (
+        sum(p.numel() for g in adamw.param_groups for p in g["params"])
+        == sum(p.numel() for p in net.parameters()) - 32 * 144
+    )
     loss = net(torch.randn(2, 1, 8, 8)).sum()
     loss.backward()
     opt.step()

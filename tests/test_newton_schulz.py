@@ -96,8 +96,12 @@ def test_the_precision_is_the_calls_and_restored(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
     x = torch.randn(8, 6)
-    for setting, dtype, during in [("high", None, "highest"), ("highest", "tfloat32", "high"), ("high", "float32", "highest"),
-                                    ("medium", "bfloat16", "medium")]:  # fmt: skip
+    for setting, dtype, during in [
+        ("high", None, "highest"),
+        ("highest", "tfloat32", "high"),
+        ("high", "float32", "highest"),
+        ("medium", "bfloat16", "medium"),
+    ]:
         torch.set_float32_matmul_precision(setting)
         try:
             seen.clear()

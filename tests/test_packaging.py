@@ -44,7 +44,11 @@ def test_each_integration_names_its_extra_when_the_framework_is_missing(framewor
         "import signmuon.integrations, signmuon.optim, signmuon.comm_hooks  # never import a framework\n"
         f"assert {framework!r} not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
         f"import signmuon.integrations.{framework} as integration\n"
-        + ("integration.initialize(model=None, config={'optimizer': {'type': 'SignMuon'}})\n" if framework == "deepspeed" else "")
+        + (
+            "integration.initialize(model=None, config={'optimizer': {'type': 'SignMuon'}})\n"
+            if framework == "deepspeed"
+            else ""
+        )
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0

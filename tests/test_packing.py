@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from signmuon.comm_hooks import pack_signs, unpack_signs
-from signmuon.comm_hooks.vote.packing import pack_planes, pack_planes_checked, pack_nonzero, packed_size
+from signmuon.comm_hooks.vote.packing import bits_to_bytes, pack_nonzero, pack_planes, pack_planes_checked, packed_size
 from tests.harness import pack_nonzero_reference, pack_signs_reference, unpack_signs_reference
-from signmuon.comm_hooks.vote.packing import bits_to_bytes
 
 _CHUNK = 1 << 15  # sizes around a large power of two: block boundaries of any kernel
 

@@ -12,11 +12,17 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import run_distributed
-from signmuon.comm_hooks import VoteConfig, ByzantineFault, CommStats, SignVoteState, check_replicas, majority_vote, sign_vote_hook
+from signmuon.comm_hooks import (
+    ByzantineFault,
+    CommStats,
+    SignVoteState,
+    VoteConfig,
+    check_replicas,
+    majority_vote,
+    sign_vote_hook,
+)
 from signmuon.optim import DPPFAverager, SignMuon
-from tests.harness import batch, capture, tiny_net
-
+from tests.harness import batch, capture, run_distributed, tiny_net
 
 # --- non-finite gradients ------------------------------------------------------------------
 
@@ -64,7 +70,11 @@ def _nonfinite_training_worker(rank, world_size, kind):
         opt.step()
         if step == 3:
             moved = [not torch.equal(a, b) for a, b in zip(before_bad or [], net.parameters())]
-    momenta = state.momentum_buffers.values() if kind == "signum" else [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
+    momenta = (
+        state.momentum_buffers.values()
+        if kind == "signum"
+        else [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
+    )
     return dict(
         params=[p.detach().clone() for p in net.parameters()],
         finite=all(torch.isfinite(p).all() for p in net.parameters()),
@@ -87,7 +97,9 @@ def test_nan_in_one_rank_never_reaches_parameters_or_momentum(kind):
 
 def _bad_averaged_gradient_worker(rank, world_size, nonfinite):
     net = tiny_net()
-    opt = SignMuon(net.parameters(), lr=0.01, non_matrix="adamw", vote_in_step=True, vote=VoteConfig(nonfinite=nonfinite))
+    opt = SignMuon(
+        net.parameters(), lr=0.01, non_matrix="adamw", vote_in_step=True, vote=VoteConfig(nonfinite=nonfinite)
+    )
     before = [p.detach().clone() for p in net.parameters()]
     for index, p in enumerate(net.parameters()):
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * rank + index))
@@ -111,10 +123,6 @@ def test_a_bad_averaged_gradient_is_skipped_or_raised_on_every_rank(nonfinite):
 
 
 # --- Byzantine workers -----------------------------------------------------------------------
-
-
-
-
 
 
 def test_byzantine_fault_flips_only_faulty_ranks():
@@ -250,8 +258,16 @@ def _resume_worker(rank, world_size, steps, load, save, tie="exact"):
         opt.step()
         averager.average_parameters(net.parameters())
     if save:
-        torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict(),
-                    "averager": averager.state_dict(), "step": start + steps}, f"{save}.rank{rank}")  # fmt: skip
+        torch.save(
+            {
+                "model": net.state_dict(),
+                "opt": opt.state_dict(),
+                "hook": state.state_dict(),
+                "averager": averager.state_dict(),
+                "step": start + steps,
+            },
+            f"{save}.rank{rank}",
+        )
     return [p.detach().clone() for p in net.parameters()]
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from signmuon.comm_hooks import VoteConfig, node_layout
+from signmuon.optim import DPPFAverager, OuterStep, local_sgd
 from tests.harness import (
     capture,
     compressed_allreduce_reference,
@@ -21,8 +23,6 @@ from tests.harness import (
     run_distributed,
     vote_reference,
 )
-from signmuon.comm_hooks import VoteConfig, node_layout
-from signmuon.optim import DPPFAverager, OuterStep, local_sgd
 
 H = 3  # local steps per round
 STEPS = 7
@@ -51,8 +51,9 @@ def _sign_vote_combine(deltas, sizes, scale_bits=32):
     return torch.cat([piece * scale for piece, scale in zip(voted.split(sizes), scales)])
 
 
-def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean", block=0,
-               scale_bits=32):
+def _reference(
+    workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean", block=0, scale_bits=32
+):
     """Each worker's flat parameters after every step (``block``: entries per scale of the vote)."""
     models = [rounds_model() for _ in range(workers)]
     inners = [rounds_inner(m) for m in models]
@@ -85,7 +86,10 @@ def _reference(workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, pus
                 n = consensus.numel()
                 padded = -(-n // (8 * workers)) * 8 * workers
                 if errors is None:
-                    errors = ([torch.zeros(padded) for _ in range(workers)], [torch.zeros(padded // workers) for _ in range(workers)])
+                    errors = (
+                        [torch.zeros(padded) for _ in range(workers)],
+                        [torch.zeros(padded // workers) for _ in range(workers)],
+                    )
                 consensus.grad, *errors = compressed_allreduce_reference(deltas, *errors)
             outer.step()
             for m in models:
@@ -103,9 +107,12 @@ def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, 
     given = [{"params": params[::2]}, {"params": params[1::2][::-1]}] if grouped else params
     inner = rounds_inner(model)
     outer = OuterStep(
-        optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), pseudo_gradient=combine,
-        vote=VoteConfig(tie="exact"), scale_block=block, scale_bits=scale_bits,
-    )  # fmt: skip
+        optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+        pseudo_gradient=combine,
+        vote=VoteConfig(tie="exact"),
+        scale_block=block,
+        scale_bits=scale_bits,
+    )
     averager = DPPFAverager(period=H, pull=pull, push=push, outer=outer, module=model)
     history = []
     for step in range(steps):
@@ -151,9 +158,16 @@ def test_the_parameters_may_come_in_another_order_and_grouping():
 # 16-bit scales on 2 workers: a bfloat16 sum of two is the same in either order, so it is exact.
 @pytest.mark.parametrize(
     "combine, block, scale_bits, workers",
-    [("sign_vote", 0, 32, 3), ("sign_vote_ef", 0, 32, 3), ("scaled_sign", 0, 32, 3), ("sign_vote_ef", 5, 32, 3),
-     ("sign_vote_ef", 5, 16, 2), ("sign_vote_ef", 5, 8, 3), ("sign_vote", 0, 8, 2)],
-)  # fmt: skip
+    [
+        ("sign_vote", 0, 32, 3),
+        ("sign_vote_ef", 0, 32, 3),
+        ("scaled_sign", 0, 32, 3),
+        ("sign_vote_ef", 5, 32, 3),
+        ("sign_vote_ef", 5, 16, 2),
+        ("sign_vote_ef", 5, 8, 3),
+        ("sign_vote", 0, 8, 2),
+    ],
+)
 def test_one_bit_rounds_equal_the_reference(combine, block, scale_bits, workers):
     results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS, False, block, scale_bits)
     expected = _reference(workers, STEPS, H, combine=combine, block=block, scale_bits=scale_bits)
@@ -169,8 +183,13 @@ def _bytes_worker(rank, world_size, cases):
 def _round_bytes(rank, combine, tie, block=0, scale_bits=32):
     torch.manual_seed(0)
     model = nn.Linear(512, 512)
-    outer = OuterStep(optimizer=functools.partial(torch.optim.SGD, lr=1.0), pseudo_gradient=combine, vote=VoteConfig(tie=tie),
-                      scale_block=block, scale_bits=scale_bits)  # fmt: skip
+    outer = OuterStep(
+        optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+        pseudo_gradient=combine,
+        vote=VoteConfig(tie=tie),
+        scale_block=block,
+        scale_bits=scale_bits,
+    )
     averager = DPPFAverager(period=1, outer=outer, module=model, track_distances=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -188,7 +207,10 @@ def _round_bytes(rank, combine, tie, block=0, scale_bits=32):
 
 COMBINES = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
 BLOCK_CASES = [("sign_vote_ef", "exact", 64, bits) for bits in (32, 16, 8)]
-BYTE_CASES = {4: [(c, "fast") for c in COMBINES] + [("sign_vote", "exact")], 2: [(c, "exact") for c in COMBINES] + BLOCK_CASES}
+BYTE_CASES = {
+    4: [(c, "fast") for c in COMBINES] + [("sign_vote", "exact")],
+    2: [(c, "exact") for c in COMBINES] + BLOCK_CASES,
+}
 
 
 @functools.cache
@@ -208,7 +230,9 @@ def test_one_bit_rounds_send_a_32nd_of_the_fp32_round(workers, tie):
 def test_block_scales_cost_their_bits_per_block():
     got = _bytes_on(2)
     per_tensor, fp32, bf16, log8 = got[("sign_vote_ef", "exact")], *(got[case] for case in BLOCK_CASES)
-    blocks = 512 * 512 // 64 + 512 // 64  # the weight's and the bias's runs of 64; 2 ranks: the ring sends each byte once
+    blocks = (
+        512 * 512 // 64 + 512 // 64
+    )  # the weight's and the bias's runs of 64; 2 ranks: the ring sends each byte once
     assert fp32 - per_tensor == (blocks - 2) * 4
     assert fp32 - bf16 == blocks * 2
     assert log8 - per_tensor == blocks + 4 - 2 * 4  # a byte per block and the largest scale, to the other rank
@@ -227,7 +251,9 @@ def _resume_worker(rank, world_size, combine, path):
 
     def build():
         model = rounds_model()
-        averager = DPPFAverager(period=H, pull=0.7, push=0.01, outer=OuterStep.diloco(pseudo_gradient=combine), module=model)
+        averager = DPPFAverager(
+            period=H, pull=0.7, push=0.01, outer=OuterStep.diloco(pseudo_gradient=combine), module=model
+        )
         return model, rounds_inner(model), averager
 
     def run(model, inner, averager, steps):
@@ -241,15 +267,22 @@ def _resume_worker(rank, world_size, combine, path):
     run(*straight, range(STEPS + 3))
     first = build()
     run(*first, range(5))
-    torch.save({"model": first[0].state_dict(), "inner": first[1].state_dict(), "averager": first[2].state_dict()},
-               f"{path}.{rank}")  # fmt: skip
+    torch.save(
+        {"model": first[0].state_dict(), "inner": first[1].state_dict(), "averager": first[2].state_dict()},
+        f"{path}.{rank}",
+    )
     resumed = build()
     saved = torch.load(f"{path}.{rank}", weights_only=True)
     resumed[0].load_state_dict(saved["model"])
     resumed[1].load_state_dict(saved["inner"])
     resumed[2].load_state_dict(saved["averager"])
     run(*resumed, range(5, STEPS + 3))
-    return flat_params(straight[0]), flat_params(resumed[0]), straight[2].consensus.state_dict(), resumed[2].consensus.state_dict()
+    return (
+        flat_params(straight[0]),
+        flat_params(resumed[0]),
+        straight[2].consensus.state_dict(),
+        resumed[2].consensus.state_dict(),
+    )
 
 
 @pytest.mark.parametrize("combine", ["mean", "sign_vote_ef", "scaled_sign"])
@@ -260,11 +293,17 @@ def test_resume_is_bit_identical(combine):
         assert torch.equal(straight, resumed)
         assert all(torch.equal(a, b) for a, b in zip(consensus_a["tensors"], consensus_b["tensors"]))
         momentum = [s["momentum_buffer"] for s in consensus_a["optimizer"]["state"].values()]
-        assert momentum and all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
-                                for a, b in zip(consensus_a["optimizer"]["state"].values(), consensus_b["optimizer"]["state"].values()))  # fmt: skip
+        assert momentum and all(
+            torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+            for a, b in zip(consensus_a["optimizer"]["state"].values(), consensus_b["optimizer"]["state"].values())
+        )
         if combine != "mean":
             assert consensus_a["errors"] and any(bool(e.any()) for buffers in consensus_a["errors"] for e in buffers)
-            assert all(torch.equal(a, b) for pa, pb in zip(consensus_a["errors"], consensus_b["errors"]) for a, b in zip(pa, pb))
+            assert all(
+                torch.equal(a, b)
+                for pa, pb in zip(consensus_a["errors"], consensus_b["errors"])
+                for a, b in zip(pa, pb)
+            )
 
 
 # --- node-aware rounds ------------------------------------------------------------------------
@@ -275,7 +314,9 @@ def _node_worker(rank, world_size, combine):
 
     layout = node_layout(None, 2)
     model = DDP(rounds_model())
-    averager = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(pseudo_gradient=combine), module=model.module, layout=layout)
+    averager = DPPFAverager(
+        period=H, pull=1.0, outer=OuterStep.diloco(pseudo_gradient=combine), module=model.module, layout=layout
+    )
     opt = local_sgd(model, rounds_inner(model), averager)
     history = []
     for step in range(STEPS):
@@ -296,7 +337,9 @@ def _node_reference(nodes, per_node, steps):
     for step in range(steps):
         for node, (m, opt) in enumerate(zip(models, inners)):
             opt.zero_grad()
-            sum(rounds_loss(m, rounds_batch(node * per_node + i, step)) for i in range(per_node)).div(per_node).backward()
+            sum(rounds_loss(m, rounds_batch(node * per_node + i, step)) for i in range(per_node)).div(
+                per_node
+            ).backward()
             opt.step()
         if (step + 1) % H == 0:
             consensus.grad = sum(consensus - flat_params(m) for m in models) / nodes
@@ -313,7 +356,9 @@ def test_node_aware_rounds_equal_the_node_level_reference():
     numel = expected[0][0].numel()
     for rank, (history, between, slice_numel) in enumerate(results):
         for step, got in enumerate(history):
-            torch.testing.assert_close(got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+            torch.testing.assert_close(
+                got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}"
+            )
         chunk = math.ceil(numel / 2)
         assert slice_numel == min(chunk, numel - (rank % 2) * chunk)  # the consensus and its momentum: 1/L per rank
         # Between nodes: each round's ring over the 2 nodes' rail carries this rank's half.
@@ -340,10 +385,21 @@ def _torchft_replica(replica, lighthouse, out_dir):
     inner = rounds_inner(model)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     manager = Manager(
-        pg=ProcessGroupGloo(), min_replica_size=2, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-        replica_id=str(replica), store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=lighthouse, port=0, timeout=timedelta(seconds=60), use_async_quorum=False, init_sync=False,
-    )  # fmt: skip
+        pg=ProcessGroupGloo(),
+        min_replica_size=2,
+        load_state_dict=model.load_state_dict,
+        state_dict=model.state_dict,
+        replica_id=str(replica),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timedelta(seconds=60),
+        use_async_quorum=False,
+        init_sync=False,
+    )
     history = []
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=H):
@@ -366,7 +422,9 @@ def _run_torchft(replicas):
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             ctx = multiprocessing.get_context("spawn")
-            procs = [ctx.Process(target=_torchft_replica, args=(r, lighthouse.address(), out_dir)) for r in range(replicas)]
+            procs = [
+                ctx.Process(target=_torchft_replica, args=(r, lighthouse.address(), out_dir)) for r in range(replicas)
+            ]
             for p in procs:
                 p.start()
             for p in procs:
@@ -383,7 +441,11 @@ def test_diloco_equals_torchft_step_for_step():
     for replica in range(2):
         for step in range(STEPS):
             torch.testing.assert_close(
-                ours[replica][0][step], theirs[replica][step], rtol=1e-6, atol=1e-7, msg=f"replica {replica} step {step}"
+                ours[replica][0][step],
+                theirs[replica][step],
+                rtol=1e-6,
+                atol=1e-7,
+                msg=f"replica {replica} step {step}",
             )
     assert not torch.equal(theirs[0][1], theirs[1][1])  # the replicas do train apart between rounds
     assert torch.equal(theirs[0][H - 1], theirs[1][H - 1])  # and meet at each round
@@ -402,10 +464,16 @@ def _fsdp_rounds_worker(rank, world_size):
     fully_shard(model, mesh=mesh["local"])  # FSDP2 averages the node's gradients every step
     inner = rounds_inner(model)
     refused = (
-        capture(lambda: DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)),  # WORLD: 2 shards each
-        capture(lambda: DPPFAverager(period=H, pull=0.5, push=0.05, module=model, process_group=mesh["node"].get_group())),
+        capture(
+            lambda: DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
+        ),  # WORLD: 2 shards each
+        capture(
+            lambda: DPPFAverager(period=H, pull=0.5, push=0.05, module=model, process_group=mesh["node"].get_group())
+        ),
     )
-    averager = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model, process_group=mesh["node"].get_group())
+    averager = DPPFAverager(
+        period=H, pull=1.0, outer=OuterStep.diloco(), module=model, process_group=mesh["node"].get_group()
+    )
     history = []
     for step in range(STEPS):
         inner.zero_grad()
@@ -425,7 +493,9 @@ def test_rounds_on_fsdp2_shards_equal_the_node_level_reference():
     numel = expected[0][0].numel()
     for rank, (history, consensus, shard, refused, sent) in enumerate(results):
         for step, got in enumerate(history):
-            torch.testing.assert_close(got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+            torch.testing.assert_close(
+                got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}"
+            )
         torch.testing.assert_close(consensus, expected[STEPS - STEPS % H - 1][0], rtol=1e-5, atol=1e-6)
         assert 0 < shard < numel  # each rank keeps the consensus of its shard only
         assert "holds 2 shards" in refused[0] and "push" in refused[1], refused

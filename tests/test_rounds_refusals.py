@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import capture, rounds_model, run_distributed
 from signmuon.comm_hooks import VoteMismatchError, node_layout
 from signmuon.optim import DPPFAverager, OuterStep
+from tests.harness import capture, rounds_model, run_distributed
 
 
 def _bad_outer_worker(rank, world_size):
@@ -57,13 +57,18 @@ def test_an_unequal_start_raises_on_every_rank():
 
 def _outer_settings_worker(rank, world_size):
     model = rounds_model()
-    same = DPPFAverager(period=1, outer=OuterStep(optimizer=lambda params: torch.optim.SGD(params, lr=1.0)), module=model)
+    same = DPPFAverager(
+        period=1, outer=OuterStep(optimizer=lambda params: torch.optim.SGD(params, lr=1.0)), module=model
+    )
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     same.average_parameters(model.parameters())  # a lambda is described alike on every rank
     differing = DPPFAverager(period=1, outer=OuterStep.diloco(lr=0.7 if rank == 0 else 0.5), module=model)
-    scale_bits = OuterStep(optimizer=lambda params: torch.optim.SGD(params, lr=1.0), pseudo_gradient="sign_vote_ef",
-                           scale_bits=8 if rank == 0 else 16)  # fmt: skip
+    scale_bits = OuterStep(
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+        pseudo_gradient="sign_vote_ef",
+        scale_bits=8 if rank == 0 else 16,
+    )
     other_bits = DPPFAverager(period=1, outer=scale_bits, module=model)
     return capture(lambda: differing.average_parameters(model.parameters())), capture(
         lambda: other_bits.average_parameters(model.parameters())
@@ -103,7 +108,9 @@ def test_scale_blocks_are_the_blocks_one_by_one_as_rows_of_a_few_runs():
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(300):
-        sizes = tuple(int(s) for s in torch.randint(0, 40, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen))
+        sizes = tuple(
+            int(s) for s in torch.randint(0, 40, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
+        )
         total = sum(sizes)
         lo = int(torch.randint(0, total + 1, (1,), generator=gen))
         hi = int(torch.randint(lo, total + 1, (1,), generator=gen))

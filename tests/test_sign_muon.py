@@ -8,43 +8,72 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.harness import run_distributed
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_muon_hook
-from tests.harness import vote_reference
+from signmuon.optim import SignMuon, as_matrix, newton_schulz, polar_direction
+from tests.harness import run_distributed, vote_reference
 
 # The simulation votes the literal sign(sum sign): ties 0 (the default tie rule is a coin).
 EXACT = VoteConfig(tie="exact")
-from signmuon.optim import SignMuon, as_matrix, newton_schulz, polar_direction
 
 STEPS = 3
 CONFIGS = {
     # DDP hook; biases on the Signum vote; decoupled decay; Nesterov.
     "hook_signum": dict(
-        ddp=True, bucket_cap_mb=25,
-        opt=dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1, polar_after_vote=False, non_matrix="signum",
-                 vote=EXACT),
+        ddp=True,
+        bucket_cap_mb=25,
+        opt=dict(
+            lr=0.01,
+            momentum=0.9,
+            nesterov=True,
+            weight_decay=0.1,
+            polar_after_vote=False,
+            non_matrix="signum",
+            vote=EXACT,
+        ),
     ),
     # DDP hook, many buckets (some mixing voted and averaged tensors), post-vote polar step,
     # biases on AdamW over an all-reduce, coupled decay, no Nesterov.
     "hook_polar_adamw": dict(
-        ddp=True, bucket_cap_mb=0.001,
-        opt=dict(lr=0.01, momentum=0.8, nesterov=False, coupled_weight_decay=0.05, polar_after_vote=True,
-                 non_matrix="adamw", adamw_lr=0.003, vote=EXACT),
+        ddp=True,
+        bucket_cap_mb=0.001,
+        opt=dict(
+            lr=0.01,
+            momentum=0.8,
+            nesterov=False,
+            coupled_weight_decay=0.05,
+            polar_after_vote=True,
+            non_matrix="adamw",
+            adamw_lr=0.003,
+            vote=EXACT,
+        ),
     ),
     # No DDP: step() votes across the group itself.
     "vote_in_step": dict(
-        ddp=False, bucket_cap_mb=None,
-        opt=dict(lr=0.01, momentum=0.9, nesterov=True, polar_after_vote=True, non_matrix="signum", vote_in_step=True,
-                 vote=EXACT),
+        ddp=False,
+        bucket_cap_mb=None,
+        opt=dict(
+            lr=0.01,
+            momentum=0.9,
+            nesterov=True,
+            polar_after_vote=True,
+            non_matrix="signum",
+            vote_in_step=True,
+            vote=EXACT,
+        ),
     ),
-}  # fmt: skip
+}
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 5),
-    )  # fmt: skip
+        nn.Conv2d(1, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64, 16),
+        nn.Tanh(),
+        nn.Linear(16, 5),
+    )
 
 
 def _batch(rank: int, step: int):
@@ -128,8 +157,10 @@ def test_signmuon_matches_simulation_of_workers(world_size):
     for name, cfg in CONFIGS.items():
         momenta = [[torch.zeros_like(p) for p in sim.parameters()] for _ in range(world_size)]
         lr_a = cfg["opt"].get("adamw_lr") or cfg["opt"]["lr"]
-        adamw = {i: torch.optim.AdamW([p], lr=lr_a, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-                 for i, p in enumerate(sim.parameters())}  # fmt: skip
+        adamw = {
+            i: torch.optim.AdamW([p], lr=lr_a, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+            for i, p in enumerate(sim.parameters())
+        }
         history = per_rank[0][name]
         for step in range(STEPS):
             expected = _simulate_step(sim, history[step], step, world_size, cfg, momenta, adamw)
@@ -145,7 +176,9 @@ def test_signmuon_matches_simulation_of_workers(world_size):
 
 def test_single_process_equals_written_out_math():
     sim = _model()
-    cfg = {"opt": dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.05, polar_after_vote=True, non_matrix="signum")}
+    cfg = {
+        "opt": dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.05, polar_after_vote=True, non_matrix="signum")
+    }
     model = _model()
     opt = SignMuon(model.parameters(), **cfg["opt"])
     momenta = [[torch.zeros_like(p) for p in sim.parameters()]]
@@ -272,8 +305,6 @@ def test_misuse_is_caught():
     assert "SignMuonHookState" in errors["wrong_state"]
 
 
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -294,7 +325,15 @@ def test_bad_settings(kwargs, match):
 def test_matrix_flag_on_vector_names_the_parameter():
     model = _model()
     with pytest.raises(ValueError, match=r"0\.bias.*matrix path"):
-        SignMuon([{"params": [p for n, p in model.named_parameters() if n == "0.bias"], "param_names": ["0.bias"],
-                   "use_muon": True}], lr=0.01)  # fmt: skip
+        SignMuon(
+            [
+                {
+                    "params": [p for n, p in model.named_parameters() if n == "0.bias"],
+                    "param_names": ["0.bias"],
+                    "use_muon": True,
+                }
+            ],
+            lr=0.01,
+        )
     with pytest.raises(ValueError, match=r"parameter 0 of group 0 \(shape \(4,\)\)"):
         SignMuon([{"params": [model[0].bias], "use_muon": True}], lr=0.01)

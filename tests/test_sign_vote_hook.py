@@ -13,8 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
-from tests.harness import vote_reference
-from tests.harness import run_distributed
+from tests.harness import run_distributed, vote_reference
 
 STEPS = 5
 LR = 0.01
@@ -49,7 +48,9 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     results = {}
     for name, cfg in CONFIGS.items():
         model = DDP(_model(), bucket_cap_mb=cfg["bucket_cap_mb"], gradient_as_bucket_view=cfg["as_view"])
-        state = SignVoteState(momentum=cfg["momentum"], start_iter=cfg["start_iter"], vote=VoteConfig(tie=cfg["tie"], seed=7))
+        state = SignVoteState(
+            momentum=cfg["momentum"], start_iter=cfg["start_iter"], vote=VoteConfig(tie=cfg["tie"], seed=7)
+        )
         model.register_comm_hook(state, sign_vote_hook)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         history = []
@@ -122,7 +123,13 @@ def test_state_pickles_without_process_group():
     state.stats.add(100, 200)
     restored = pickle.loads(pickle.dumps(state))
     assert restored.process_group is None
-    assert (restored.momentum, restored.vote_config.tie, restored.start_iter, restored.vote_config.seed, restored.iter) == (0.5, "fast", 3, 11, 9)
+    assert (
+        restored.momentum,
+        restored.vote_config.tie,
+        restored.start_iter,
+        restored.vote_config.seed,
+        restored.iter,
+    ) == (0.5, "fast", 3, 11, 9)
     assert torch.equal(restored.unplaced[0], torch.arange(5.0)) and restored.unplaced_starts == {0: 2}
     assert (restored.stats.bytes_sent, restored.stats.bytes_received) == (100, 200)
 

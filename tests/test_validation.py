@@ -5,11 +5,19 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_distributed
-from signmuon.comm_hooks import ByzantineFault, SignMuonHookState, SignVoteState, VoteConfig, majority_vote, pack_signs, unpack_signs
+from signmuon.comm_hooks import (
+    ByzantineFault,
+    SignMuonHookState,
+    SignVoteState,
+    VoteConfig,
+    majority_vote,
+    pack_signs,
+    unpack_signs,
+)
 from signmuon.comm_hooks.kernels.torch_ops import vote_packed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
 from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV, inverse_mean_valley, lr_from_muon, newton_schulz
+from tests.harness import run_distributed
 
 
 def _params():
@@ -30,7 +38,12 @@ CASES = [
     ("pack_signs dtype", lambda: pack_signs(torch.ones(3, dtype=torch.int32)), ValueError, "dtype"),
     ("unpack_signs packed dtype", lambda: unpack_signs(torch.zeros(1, dtype=torch.int8), 8), ValueError, "positive"),
     ("unpack_signs numel", lambda: unpack_signs(torch.zeros(1, dtype=torch.uint8), 9), ValueError, "numel"),
-    ("unpack_signs out", lambda: unpack_signs(torch.zeros(1, dtype=torch.uint8), 8, out=torch.ones(3)), ValueError, "out"),
+    (
+        "unpack_signs out",
+        lambda: unpack_signs(torch.zeros(1, dtype=torch.uint8), 8, out=torch.ones(3)),
+        ValueError,
+        "out",
+    ),
     ("vote_packed shape", lambda: vote_packed(torch.zeros(4, dtype=torch.int64)), ValueError, "positive"),
     ("majority_vote tensor", lambda: majority_vote("x"), TypeError, "tensor"),
     ("majority_vote dtype", lambda: majority_vote(torch.ones(3, dtype=torch.int64)), ValueError, "dtype"),
@@ -48,7 +61,12 @@ CASES = [
     ("majority_vote step", lambda: majority_vote(_x, step=-1), ValueError, "step"),
     ("SignVoteState vote", lambda: SignVoteState(vote="fast"), TypeError, "vote"),
     ("SignVoteState start_iter", lambda: SignVoteState(start_iter=-2), ValueError, "start_iter"),
-    ("SignVoteState check_replicas_every", lambda: SignVoteState(check_replicas_every=-1), ValueError, "check_replicas_every"),
+    (
+        "SignVoteState check_replicas_every",
+        lambda: SignVoteState(check_replicas_every=-1),
+        ValueError,
+        "check_replicas_every",
+    ),
     ("SignMuonHookState optimizer", lambda: SignMuonHookState(torch.optim.SGD(_params(), lr=1)), TypeError, "SignMuon"),
     ("ByzantineFault mode", lambda: ByzantineFault(ranks=(0,), mode="x"), ValueError, "mode"),
     ("newton_schulz steps", lambda: newton_schulz(torch.ones(2, 2), steps=0), ValueError, "steps"),
@@ -57,20 +75,45 @@ CASES = [
     ("SignMuon momentum", lambda: SignMuon(_params(), momentum=1.0), ValueError, "momentum"),
     ("SignMuon ns_steps", lambda: SignMuon(_params(), ns_steps=0), ValueError, "ns_steps"),
     ("SignMuon weight_decay", lambda: SignMuon(_params(), weight_decay=-1), ValueError, "weight_decay"),
-    ("SignMuon coupled_weight_decay", lambda: SignMuon(_params(), coupled_weight_decay=-1), ValueError, "coupled_weight_decay"),
+    (
+        "SignMuon coupled_weight_decay",
+        lambda: SignMuon(_params(), coupled_weight_decay=-1),
+        ValueError,
+        "coupled_weight_decay",
+    ),
     ("SignMuon non_matrix", lambda: SignMuon(_params(), non_matrix="sgd"), ValueError, "non_matrix"),
     ("SignMuon adamw_lr", lambda: SignMuon(_params(), adamw_lr=-1), ValueError, "adamw_lr"),
     ("SignMuon adamw_betas", lambda: SignMuon(_params(), adamw_betas=(1.0, 0.9)), ValueError, "adamw_betas"),
     ("SignMuon adamw_eps", lambda: SignMuon(_params(), adamw_eps=0), ValueError, "adamw_eps"),
     ("SignMuon vote", lambda: SignMuon(_params(), vote="fast"), TypeError, "vote"),
     ("SignMuon use_muon", lambda: SignMuon([{"params": _params(), "use_muon": "yes"}]), ValueError, "use_muon"),
-    ("SignMuon use_muon on a vector", lambda: SignMuon([{"params": _params()[1:], "use_muon": True}]), ValueError, "matrix path"),
+    (
+        "SignMuon use_muon on a vector",
+        lambda: SignMuon([{"params": _params()[1:], "use_muon": True}]),
+        ValueError,
+        "matrix path",
+    ),
     ("SignumMV matrix path", lambda: SignumMV([{"params": _params(), "use_muon": True}]), ValueError, "SignMuon"),
     ("SignSGDMV lr", lambda: SignSGDMV(_params(), lr=-0.1), ValueError, "lr"),
-    ("inverse_mean_valley directions", lambda: inverse_mean_valley(_net, _loss, _batches, directions=0), ValueError, "directions"),
+    (
+        "inverse_mean_valley directions",
+        lambda: inverse_mean_valley(_net, _loss, _batches, directions=0),
+        ValueError,
+        "directions",
+    ),
     ("inverse_mean_valley delta", lambda: inverse_mean_valley(_net, _loss, _batches, delta=0), ValueError, "delta"),
-    ("inverse_mean_valley max_distance", lambda: inverse_mean_valley(_net, _loss, _batches, max_distance=-1), ValueError, "max_distance"),
-    ("inverse_mean_valley initial_distance", lambda: inverse_mean_valley(_net, _loss, _batches, initial_distance=99), ValueError, "initial_distance"),
+    (
+        "inverse_mean_valley max_distance",
+        lambda: inverse_mean_valley(_net, _loss, _batches, max_distance=-1),
+        ValueError,
+        "max_distance",
+    ),
+    (
+        "inverse_mean_valley initial_distance",
+        lambda: inverse_mean_valley(_net, _loss, _batches, initial_distance=99),
+        ValueError,
+        "initial_distance",
+    ),
     ("inverse_mean_valley batches", lambda: inverse_mean_valley(_net, _loss, []), ValueError, "batches"),
     ("DPPFAverager period", lambda: DPPFAverager(period=0), ValueError, "period"),
     ("DPPFAverager warmup_steps", lambda: DPPFAverager(period=1, warmup_steps=-1), ValueError, "warmup_steps"),
@@ -78,10 +121,15 @@ CASES = [
     ("DPPFAverager push", lambda: DPPFAverager(period=1, push=-1), ValueError, "push"),
     ("DPPFAverager eps", lambda: DPPFAverager(period=1, eps=0), ValueError, "eps"),
     ("DPPFAverager distance", lambda: DPPFAverager(period=1, distance="layer"), ValueError, "distance"),
-    ("SignCompressedBackend worker_error", lambda: SignCompressedBackend().compressed_allreduce(_x, torch.zeros(4), torch.zeros(4)), ValueError, "worker_error"),
+    (
+        "SignCompressedBackend worker_error",
+        lambda: SignCompressedBackend().compressed_allreduce(_x, torch.zeros(4), torch.zeros(4)),
+        ValueError,
+        "worker_error",
+    ),
     ("deepspeed initialize config", lambda: initialize(model=_net, config=None), ValueError, "config"),
     ("run_distributed world_size", lambda: run_distributed(print, 0), ValueError, "world_size"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("what, call, error, words", CASES, ids=[c[0] for c in CASES])

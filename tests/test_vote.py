@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from signmuon.comm_hooks import pack_signs, unpack_signs
-from signmuon.comm_hooks.vote.packing import pack_nonzero
 from signmuon.comm_hooks.kernels.torch_ops import vote_packed
+from signmuon.comm_hooks.vote.packing import pack_nonzero
 from tests.harness import vote_reference
 
 

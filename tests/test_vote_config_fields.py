@@ -31,7 +31,11 @@ def test_the_collective_refuses_the_node_aware_vote_and_says_where_it_works(entr
 def test_the_backend_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match="hooks or a sign-vote optimizer"):
         SignCompressedBackend(vote=HIERARCHICAL)
-    for config in (VoteConfig(algorithm="all_gather"), VoteConfig(fault=ByzantineFault(ranks=(0,))), VoteConfig(zeros="coin")):
+    for config in (
+        VoteConfig(algorithm="all_gather"),
+        VoteConfig(fault=ByzantineFault(ranks=(0,))),
+        VoteConfig(zeros="coin"),
+    ):
         backend = SignCompressedBackend(vote=config)
         with pytest.raises(ValueError, match="two phases, has no fault injection and no zero rule"):
             backend.compressed_allreduce(torch.ones(16), torch.zeros(16), torch.zeros(16))
@@ -77,7 +81,6 @@ def test_each_field_of_the_collective_changes_what_it_should():
 # --- the hook states and the optimizers: each field reaches the vote they run -----------------
 
 
-
 def _train(rank, entry, config):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -109,8 +112,11 @@ def _train(rank, entry, config):
 
 
 def _entries_worker(rank, world_size):
-    return {(entry, name): _train(rank, entry, config)
-            for entry in ("sign_vote_hook", "SignMuon hook", "SignumMV in step") for name, config in VARIANTS.items()}
+    return {
+        (entry, name): _train(rank, entry, config)
+        for entry in ("sign_vote_hook", "SignMuon hook", "SignumMV in step")
+        for name, config in VARIANTS.items()
+    }
 
 
 def test_each_field_reaches_the_vote_of_every_hook_and_optimizer():
@@ -130,8 +136,10 @@ def _triton_hook_worker(rank, world_size):
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are first imported here
-    return {name: _train(rank, "sign_vote_hook", config) for name, config in
-            (("numba", VoteConfig()), ("triton", VoteConfig(kernels="triton")))}  # fmt: skip
+    return {
+        name: _train(rank, "sign_vote_hook", config)
+        for name, config in (("numba", VoteConfig()), ("triton", VoteConfig(kernels="triton")))
+    }
 
 
 def test_the_signum_hook_on_the_triton_kernels_trains_the_same_bits():
@@ -141,13 +149,14 @@ def test_the_signum_hook_on_the_triton_kernels_trains_the_same_bits():
         assert all(torch.equal(a, b) for a, b in zip(numba_params, triton_params)) and numba_sent == triton_sent
 
 
-
 def _triton_node_worker(rank, world_size):
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"
-    return {name: _train(rank, "sign_vote_hook", VoteConfig(hierarchical=True, ranks_per_node=2, **kernels))
-            for name, kernels in (("numba", {}), ("triton", {"kernels": "triton"}))}  # fmt: skip
+    return {
+        name: _train(rank, "sign_vote_hook", VoteConfig(hierarchical=True, ranks_per_node=2, **kernels))
+        for name, kernels in (("numba", {}), ("triton", {"kernels": "triton"}))
+    }
 
 
 def test_the_node_aware_signum_hook_on_the_triton_kernels_trains_the_same_bits():

@@ -22,7 +22,7 @@ class CommStats:
     _FIELDS = (
         "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
         "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds",
-    )  # fmt: skip
+    )
     __slots__ = (*(name for name in _FIELDS if name != "skipped"), "_skipped", "_skip_flags")
     _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds")
 

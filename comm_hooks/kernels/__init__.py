@@ -32,7 +32,10 @@ import torch
 __all__ = ["kernels_for", "warm_up"]
 
 _MODULES = {"numba": "cpu", "triton": "cuda", "torch": "torch_ops"}
-_EXTRA = {"numba": "numba (a dependency of signmuon: pip install signmuon)", "triton": "triton (pip install 'signmuon[triton]')"}
+_EXTRA = {
+    "numba": "numba (a dependency of signmuon: pip install signmuon)",
+    "triton": "triton (pip install 'signmuon[triton]')",
+}
 
 
 def kernels_for(device: torch.device, choice: str = "auto") -> ModuleType:
@@ -48,7 +51,9 @@ def kernels_for(device: torch.device, choice: str = "auto") -> ModuleType:
     if choice == "numba" and device.type != "cpu":
         raise ValueError(f"kernels='numba' runs on CPU tensors, not {device.type}; use 'auto'")
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"kernels='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not {device.type}")
+        raise ValueError(
+            f"kernels='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not {device.type}"
+        )
     if choice not in _MODULES:
         raise ValueError(f"kernels={choice!r} names no kernel family; use 'auto', 'numba', 'triton' or 'torch'")
     try:
@@ -72,7 +77,9 @@ def warm_up(device: torch.device | str, dtypes=(torch.float32,), choice: str = "
         positive, nonzero, _, _ = kernels.pack(x, 1)
         no_skip = torch.zeros((), dtype=torch.bool, device=device)
         for momentum_dtype in {dtype, torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype}:
-            kernels.momentum_pack(torch.zeros(3, dtype=momentum_dtype, device=device), x, 0.1, no_skip, 1)  # hooks' kinds
+            kernels.momentum_pack(
+                torch.zeros(3, dtype=momentum_dtype, device=device), x, 0.1, no_skip, 1
+            )  # hooks' kinds
         planes, masks = positive.repeat(2, 1), nonzero.repeat(2, 1)
         tie = kernels.tie_words(SignSegments((0, 3), (0,), (1,)), 0, 0, 1, positive.device)
         dense = (False, True)

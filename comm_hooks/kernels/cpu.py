@@ -12,11 +12,11 @@ each rank of a data-parallel job owns a core.
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
-
-import functools
 
 from .layout import FLOAT_LAYOUTS, SignSegments, data_words, momentum_then_pack
 
@@ -249,9 +249,13 @@ def pack(x: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor, int, 
         positive.fill_(-1), nonzero.fill_(-1)
         return positive, nonzero, 0, False
     zeros, bad = _pack_kernel(
-        _bits(x), np.uint64((1 << layout.bits) - 1), np.uint64(layout.abs_mask), np.uint64(layout.exp_mask),
-        _u64(positive), _u64(nonzero),
-    )  # fmt: skip
+        _bits(x),
+        np.uint64((1 << layout.bits) - 1),
+        np.uint64(layout.abs_mask),
+        np.uint64(layout.exp_mask),
+        _u64(positive),
+        _u64(nonzero),
+    )
     used = data_words(x.numel())
     positive[used:] = -1  # whole words past the data are padding too
     nonzero[used:] = -1
@@ -268,9 +272,13 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tens
     layout = FLOAT_LAYOUTS[out.dtype]
     ternary = nonzero is not None
     _unpack_kernel(
-        _u64(positive), _u64(nonzero if ternary else positive), ternary, np.uint64(layout.plus_one),
-        np.uint64(layout.bits - 1), _bits(out),
-    )  # fmt: skip
+        _u64(positive),
+        _u64(nonzero if ternary else positive),
+        ternary,
+        np.uint64(layout.plus_one),
+        np.uint64(layout.bits - 1),
+        _bits(out),
+    )
 
 
 def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense, tie: torch.Tensor | None):
@@ -286,9 +294,15 @@ def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense, tie: torch
     out_nz = torch.empty(words, dtype=torch.int64)
     tie_np = _u64(tie) if tie is not None else np.empty(0, dtype=np.uint64)
     _vote_kernel(
-        _u64(positive.contiguous()), _u64(nonzero.contiguous()), np.asarray(dense, dtype=np.bool_), tie_np, tie is not None,
-        _u64(out_pos), _u64(out_nz), max(1, voters.bit_length()),
-    )  # fmt: skip
+        _u64(positive.contiguous()),
+        _u64(nonzero.contiguous()),
+        np.asarray(dense, dtype=np.bool_),
+        tie_np,
+        tie is not None,
+        _u64(out_pos),
+        _u64(out_nz),
+        max(1, voters.bit_length()),
+    )
     return out_pos, out_nz
 
 

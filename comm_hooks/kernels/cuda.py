@@ -41,7 +41,9 @@ def _chunks(words: int):
 
 
 @triton.jit
-def _pack_kernel(bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask, WORDS: tl.constexpr):
+def _pack_kernel(
+    bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask, WORDS: tl.constexpr
+):
     pid = tl.program_id(0)
     word = pid * WORDS + tl.arange(0, WORDS)  # [WORDS]
     lane = tl.arange(0, 64)  # [64]
@@ -72,8 +74,23 @@ def _bf16_nearest_even(x):
 
 @triton.jit
 def _momentum_pack_kernel(
-    m_ptr, g_ptr, skip_ptr, weight_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask,
-    INT_TYPE: tl.constexpr, BF16: tl.constexpr, SMALL_WEIGHT: tl.constexpr, WORDS: tl.constexpr,
+    m_ptr,
+    g_ptr,
+    skip_ptr,
+    weight_ptr,
+    pos_ptr,
+    nz_ptr,
+    zeros_ptr,
+    bad_ptr,
+    n,
+    nwords,
+    full_mask,
+    abs_mask,
+    exp_mask,
+    INT_TYPE: tl.constexpr,
+    BF16: tl.constexpr,
+    SMALL_WEIGHT: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     word = pid * WORDS + tl.arange(0, WORDS)
@@ -137,9 +154,18 @@ def pack(x: torch.Tensor, words: int):
     for first, count in _chunks(data_words(x.numel())):  # words past the data keep their fill: all padding
         n = min(64 * count, x.numel() - 64 * first)
         _pack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
-            bits[64 * first :], positive[first:], nonzero[first:], zeros, bad, n, count, (1 << layout.bits) - 1,
-            layout.abs_mask, layout.exp_mask, WORDS=_WORDS_PER_PROGRAM,
-        )  # fmt: skip
+            bits[64 * first :],
+            positive[first:],
+            nonzero[first:],
+            zeros,
+            bad,
+            n,
+            count,
+            (1 << layout.bits) - 1,
+            layout.abs_mask,
+            layout.exp_mask,
+            WORDS=_WORDS_PER_PROGRAM,
+        )
     # Padding bits are not zeros: the kernel counts only entries inside the data.
     return positive, nonzero, zeros[0], bad[0].bool()
 
@@ -170,10 +196,24 @@ def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: to
     for first, count in _chunks(data_words(buf.numel())):
         n, at = min(64 * count, buf.numel() - 64 * first), 64 * first
         _momentum_pack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
-            buf.view(-1)[at:], grad.view(-1)[at:], skip_flag, weight_t, positive[first:], nonzero[first:], zeros, bad, n, count,
-            (1 << layout.bits) - 1, layout.abs_mask, layout.exp_mask, INT_TYPE=_INT_TYPES[layout.bits], BF16=buf.dtype == torch.bfloat16,
-            SMALL_WEIGHT=abs(float(torch.tensor(weight, dtype=math_dtype))) < 0.5, WORDS=_WORDS_PER_PROGRAM,
-        )  # fmt: skip
+            buf.view(-1)[at:],
+            grad.view(-1)[at:],
+            skip_flag,
+            weight_t,
+            positive[first:],
+            nonzero[first:],
+            zeros,
+            bad,
+            n,
+            count,
+            (1 << layout.bits) - 1,
+            layout.abs_mask,
+            layout.exp_mask,
+            INT_TYPE=_INT_TYPES[layout.bits],
+            BF16=buf.dtype == torch.bfloat16,
+            SMALL_WEIGHT=abs(float(torch.tensor(weight, dtype=math_dtype))) < 0.5,
+            WORDS=_WORDS_PER_PROGRAM,
+        )
     return positive, nonzero, zeros[0], bad[0].bool()
 
 
@@ -186,9 +226,16 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tens
     planes = positive if nonzero is None else nonzero
     for first, count in _chunks(data_words(n)):
         _unpack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
-            positive[first:], planes[first:], bits[64 * first :], min(64 * count, n - 64 * first), count, layout.plus_one,
-            layout.bits - 1, TERNARY=nonzero is not None, WORDS=_WORDS_PER_PROGRAM,
-        )  # fmt: skip
+            positive[first:],
+            planes[first:],
+            bits[64 * first :],
+            min(64 * count, n - 64 * first),
+            count,
+            layout.plus_one,
+            layout.bits - 1,
+            TERNARY=nonzero is not None,
+            WORDS=_WORDS_PER_PROGRAM,
+        )
 
 
 def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, dense, tie: torch.Tensor | None):

@@ -7,8 +7,20 @@ import dataclasses
 import numpy as np
 import torch
 
-__all__ = ["FloatLayout", "FLOAT_LAYOUTS", "SignSegments", "data_words", "words_for", "MASK64", "GOLDEN", "mix64",
-           "as_signed", "shift_right", "lerp_unless", "momentum_then_pack"]  # fmt: skip
+__all__ = [
+    "FloatLayout",
+    "FLOAT_LAYOUTS",
+    "SignSegments",
+    "data_words",
+    "words_for",
+    "MASK64",
+    "GOLDEN",
+    "mix64",
+    "as_signed",
+    "shift_right",
+    "lerp_unless",
+    "momentum_then_pack",
+]
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: consecutive keys land far apart

@@ -59,7 +59,9 @@ def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, numel: int) -> 
     return torch.tensor(out, dtype=torch.float64)
 
 
-def vote(positive: torch.Tensor, nonzero: torch.Tensor | None, tie: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def vote(
+    positive: torch.Tensor, nonzero: torch.Tensor | None, tie: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Vote [M, S] planes entry by entry; ``tie`` bits pick the sign of ties, else ties are 0."""
     voters, words = positive.shape
     pos = [_to_uint(row) for row in positive]

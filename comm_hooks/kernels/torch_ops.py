@@ -21,7 +21,7 @@ NAME = "torch"
 
 @functools.lru_cache(maxsize=None)
 def _bit_weights(device: torch.device) -> torch.Tensor:
-    return (torch.ones(64, dtype=torch.int64, device=device) << torch.arange(64, device=device))
+    return torch.ones(64, dtype=torch.int64, device=device) << torch.arange(64, device=device)
 
 
 def _words(bits: torch.Tensor, words: int) -> torch.Tensor:
@@ -211,7 +211,9 @@ def tie_words(segments: SignSegments, call_key: int, first_entry: int, words: in
     """Word by word: a word inside one segment is two hash words shifted together; only the
     few words that cross a segment boundary (or the end of the data) go entry by entry. The
     layout's tables are cached on the device (:func:`_tie_tables`): no host synchronisation."""
-    seg_keys, index, crossing, entry_keys, eindex, inside = _tie_tables(segments, first_entry, words, torch.device(device or "cpu"))
+    seg_keys, index, crossing, entry_keys, eindex, inside = _tie_tables(
+        segments, first_entry, words, torch.device(device or "cpu")
+    )
     key = as_signed(call_key & MASK64)
     seg_key = _mix64(seg_keys ^ key)
     block, offset = shift_right(index, 6), index & 63

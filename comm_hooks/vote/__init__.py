@@ -2,8 +2,8 @@
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
-from .encoding import MomentumStep
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
+from .encoding import MomentumStep
 from .faults import ByzantineFault
 from .node_vote import (
     NodeVoteWork,
@@ -16,8 +16,8 @@ from .node_vote import (
     owners,
     world_mean,
 )
-from .scaled_sign import error_buffer_sizes, scaled_sign_allreduce
 from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
+from .scaled_sign import error_buffer_sizes, scaled_sign_allreduce
 from .topology import NodeLayout, node_layout
 
 __all__ = [

@@ -35,6 +35,7 @@ from .packing import check_float
 
 __all__ = ["VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank"]
 
+
 def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto", agree_sizes: bool = True) -> int:
     """Bytes one rank sends per dense-case call (no zeros, no exact-mode ties): the formula
     (``agree_sizes`` as in :func:`majority_vote`; the DDP hooks vote without it)."""
@@ -79,7 +80,7 @@ class VoteWork(ExchangeWork):
             raise ValueError(
                 "majority_vote votes every rank's own signs; VoteConfig(hierarchical=True) votes node means and "
                 "works where the node's momentum lives: SignVoteState / sign_vote_hook, SignMuon / SignumMV / "
-                "SignSGDMV (DDP hook or vote_in_step) and a DeepSpeed config's \"vote\" section"
+                'SignSGDMV (DDP hook or vote_in_step) and a DeepSpeed config\'s "vote" section'
             )
         flat = check_float(tensor)
         if out is None:
@@ -92,19 +93,36 @@ class VoteWork(ExchangeWork):
         if segments is not None and first_entry is not None and segments.numel < first_entry + flat.numel():
             raise ValueError(f"segments cover {segments.numel} entries, the slice ends at {first_entry + flat.numel()}")
         if momentum is not None and (momentum.grad.numel() != flat.numel() or momentum.grad.device != flat.device):
-            raise ValueError(f"the momentum step's gradient ({momentum.grad.numel()} entries on {momentum.grad.device}) "
-                             f"must match the buffer voted ({flat.numel()} on {flat.device})")
+            raise ValueError(
+                f"the momentum step's gradient ({momentum.grad.numel()} entries on {momentum.grad.device}) "
+                f"must match the buffer voted ({flat.numel()} on {flat.device})"
+            )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (it keys the tie-break coins)")
         world_size, _ = group_size_rank(group)
         encoding = SignEncoding(
-            kernels_for(flat.device, config.kernels), config.tie, call_key(config.seed, step), segments, config.fault,
-            first_entry or 0, zeros=config.zeros, momentum=momentum,
+            kernels_for(flat.device, config.kernels),
+            config.tie,
+            call_key(config.seed, step),
+            segments,
+            config.fault,
+            first_entry or 0,
+            zeros=config.zeros,
+            momentum=momentum,
         )
         super().__init__(
-            encoding, flat, group, out=out, two_phase=default_two_phase(config.algorithm, world_size), stats=stats,
-            nonfinite=config.nonfinite, label=label, tag=tag, input_nonfinite=input_nonfinite, agree_sizes=agree_sizes,
-        )  # fmt: skip
+            encoding,
+            flat,
+            group,
+            out=out,
+            two_phase=default_two_phase(config.algorithm, world_size),
+            stats=stats,
+            nonfinite=config.nonfinite,
+            label=label,
+            tag=tag,
+            input_nonfinite=input_nonfinite,
+            agree_sizes=agree_sizes,
+        )
 
 
 majority_vote_async = VoteWork

@@ -104,9 +104,17 @@ class VoteConfig:
     def settings(self) -> dict:
         """What must agree across ranks, as plain values (for the settings digest)."""
         fault = None if self.fault is None else (self.fault.ranks, self.fault.mode, self.fault.seed)
-        return {"tie": self.tie, "zeros": self.zeros, "seed": self.seed, "algorithm": self.algorithm, "nonfinite": self.nonfinite,
-                "kernels": self.kernels, "hierarchical": self.hierarchical, "ranks_per_node": self.ranks_per_node,
-                "fault": fault}  # fmt: skip
+        return {
+            "tie": self.tie,
+            "zeros": self.zeros,
+            "seed": self.seed,
+            "algorithm": self.algorithm,
+            "nonfinite": self.nonfinite,
+            "kernels": self.kernels,
+            "hierarchical": self.hierarchical,
+            "ranks_per_node": self.ranks_per_node,
+            "fault": fault,
+        }
 
     @classmethod
     def from_dict(cls, values: dict) -> "VoteConfig":

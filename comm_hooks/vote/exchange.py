@@ -77,9 +77,23 @@ class ExchangeWork:
     """
 
     __slots__ = (
-        "_encoding", "_group", "_plan", "_stats", "_nonfinite", "_label", "_tag", "_out", "_device",
-        "_encoded", "_recv", "_work", "_reduced", "_stage", "_skipped", "_plain",
-    )  # fmt: skip
+        "_encoding",
+        "_group",
+        "_plan",
+        "_stats",
+        "_nonfinite",
+        "_label",
+        "_tag",
+        "_out",
+        "_device",
+        "_encoded",
+        "_recv",
+        "_work",
+        "_reduced",
+        "_stage",
+        "_skipped",
+        "_plain",
+    )
 
     def __init__(
         self,
@@ -176,10 +190,17 @@ class ExchangeWork:
         send = torch.cat(outgoing)
         recv = send.new_empty(sum(lengths_from))
         dist.all_to_all_single(
-            recv, send, output_split_sizes=lengths_from, input_split_sizes=[t.numel() for t in outgoing], group=self._group
+            recv,
+            send,
+            output_split_sizes=lengths_from,
+            input_split_sizes=[t.numel() for t in outgoing],
+            group=self._group,
         )
         me = plan.rank
-        self._account(sum(t.numel() for d, t in enumerate(outgoing) if d != me), sum(n for s, n in enumerate(lengths_from) if s != me))
+        self._account(
+            sum(t.numel() for d, t in enumerate(outgoing) if d != me),
+            sum(n for s, n in enumerate(lengths_from) if s != me),
+        )
         pieces = list(recv.split(lengths_from))
         return [p if n else None for p, n in zip(pieces, lengths_from)]
 
@@ -251,7 +272,9 @@ class ExchangeWork:
                 headers = [[0] * GATHER_HEADER_WORDS] * plan.world_size
             else:
                 words = host_words(self._recv[:, :GATHER_HEADER_WORDS].reshape(-1))  # host sync: extras' sizes
-                headers = [words[r * GATHER_HEADER_WORDS : (r + 1) * GATHER_HEADER_WORDS] for r in range(plan.world_size)]
+                headers = [
+                    words[r * GATHER_HEADER_WORDS : (r + 1) * GATHER_HEADER_WORDS] for r in range(plan.world_size)
+                ]
             codes = [h[0] for h in headers]
             lengths = [extra_words(c) for c in codes]
             extras: list = [None] * plan.world_size
@@ -301,4 +324,3 @@ def default_two_phase(algorithm: str, world_size: int) -> bool:
     if algorithm == "auto":
         return world_size > 2
     return algorithm == "two_phase"
-

@@ -40,6 +40,8 @@ class ByzantineFault:
             return positive
         if self.mode == "flip":
             return nonzero & ~positive
-        gen = torch.Generator(device=positive.device).manual_seed((self.seed * 7919 + call_seed * 104729 + rank) % (1 << 63))
+        gen = torch.Generator(device=positive.device).manual_seed(
+            (self.seed * 7919 + call_seed * 104729 + rank) % (1 << 63)
+        )
         coins = torch.randint(0, 256, (positive.numel() * 8,), dtype=torch.uint8, generator=gen, device=positive.device)
         return nonzero & coins.view(torch.int64)

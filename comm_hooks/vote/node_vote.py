@@ -39,8 +39,17 @@ from .config import VoteConfig
 from .encoding import MomentumStep
 from .topology import NodeLayout
 
-__all__ = ["NodeVoteWork", "OwnedVoteWork", "gather_in_node", "merge_in_node", "node_mean", "node_slice", "owners",
-           "world_mean", "matrix_cost"]  # fmt: skip
+__all__ = [
+    "NodeVoteWork",
+    "OwnedVoteWork",
+    "gather_in_node",
+    "merge_in_node",
+    "node_mean",
+    "node_slice",
+    "owners",
+    "world_mean",
+    "matrix_cost",
+]
 
 
 def node_slice(n: int, layout: NodeLayout) -> tuple[int, int]:
@@ -93,8 +102,9 @@ def merge_in_node(values: torch.Tensor, held: torch.Tensor, layout: NodeLayout, 
     values.masked_fill_(holder != layout.local_rank, 0)
     all_reduce(values, layout.node_group)
     if stats is not None:  # the two rings counted as one message
-        ring = ring_bytes(holder.numel() * holder.element_size() + values.numel() * values.element_size(),
-                          layout.ranks_per_node)  # fmt: skip
+        ring = ring_bytes(
+            holder.numel() * holder.element_size() + values.numel() * values.element_size(), layout.ranks_per_node
+        )
         stats.add(ring, ring, inside_node=True)
 
 
@@ -154,8 +164,18 @@ class NodeVoteWork(_RailStages):
     skips or raises on the same tensors, and no slice of the momentum takes it).
     """
 
-    __slots__ = ("_layout", "_out", "_stats", "_slice", "_done", "_mean", "_averaging", "_config", "_momentum",
-                 "_vote_args")  # fmt: skip
+    __slots__ = (
+        "_layout",
+        "_out",
+        "_stats",
+        "_slice",
+        "_done",
+        "_mean",
+        "_averaging",
+        "_config",
+        "_momentum",
+        "_vote_args",
+    )
 
     def __init__(
         self,
@@ -180,8 +200,13 @@ class NodeVoteWork(_RailStages):
         self._mean, self._rail = flat, None
         self._averaging = _start_node_mean(flat, layout, stats)
         self._config, self._momentum = config.rail, momentum
-        self._vote_args = dict(step=step, segments=segments if segments is not None else SignSegments.whole(n),
-                               first_entry=lo, label=label, tag=tag)  # fmt: skip
+        self._vote_args = dict(
+            step=step,
+            segments=segments if segments is not None else SignSegments.whole(n),
+            first_entry=lo,
+            label=label,
+            tag=tag,
+        )
 
     def _start_rail(self) -> None:
         """Wait for the node mean; start this rank's rail vote of its slice."""
@@ -194,9 +219,16 @@ class NodeVoteWork(_RailStages):
             buf, beta = self._momentum
             voter, advance = buf.view(-1), MomentumStep(mean[lo:hi], 1.0 - beta, bad)
         self._rail = VoteWork(
-            voter, self._layout.rail_group, self._config, out=self._out[lo:hi], stats=self._stats,
-            input_nonfinite=bad, agree_sizes=False, momentum=advance, **self._vote_args,
-        )  # fmt: skip
+            voter,
+            self._layout.rail_group,
+            self._config,
+            out=self._out[lo:hi],
+            stats=self._stats,
+            input_nonfinite=bad,
+            agree_sizes=False,
+            momentum=advance,
+            **self._vote_args,
+        )
         self._averaging = self._momentum = None
 
     def wait(self) -> torch.Tensor:
@@ -240,8 +272,19 @@ class OwnedVoteWork(_RailStages):
     that reads the headers, after which :meth:`wait` gives zeros (skipped).
     """
 
-    __slots__ = ("_grads", "_directions", "_owner", "_keys", "_layout", "_config", "_stats", "_vote_args",
-                 "_flat", "_averaging", "_done")  # fmt: skip
+    __slots__ = (
+        "_grads",
+        "_directions",
+        "_owner",
+        "_keys",
+        "_layout",
+        "_config",
+        "_stats",
+        "_vote_args",
+        "_flat",
+        "_averaging",
+        "_done",
+    )
 
     def __init__(
         self,
@@ -279,9 +322,16 @@ class OwnedVoteWork(_RailStages):
             starts.append(starts[-1] + grads[i].numel())
         segments = SignSegments(tuple(starts), tuple(self._keys[i] for i in mine)) if mine else None
         self._rail = VoteWork(
-            voter, layout.rail_group, self._config.rail, segments=segments, out=voter, stats=self._stats,
-            input_nonfinite=bad, agree_sizes=False, **self._vote_args,
-        )  # fmt: skip
+            voter,
+            layout.rail_group,
+            self._config.rail,
+            segments=segments,
+            out=voter,
+            stats=self._stats,
+            input_nonfinite=bad,
+            agree_sizes=False,
+            **self._vote_args,
+        )
         self._averaging = self._directions = None
 
     def wait(self) -> None:

@@ -46,9 +46,13 @@ def check_float(x, what: str = "tensor") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.layout != torch.strided:
-        raise ValueError(f"{what} is sparse ({x.layout}); sign packing needs a dense tensor (sparse gradients are not supported)")
+        raise ValueError(
+            f"{what} is sparse ({x.layout}); sign packing needs a dense tensor (sparse gradients are not supported)"
+        )
     if x.dtype not in FLOAT_LAYOUTS:
-        raise ValueError(f"{what} has dtype {x.dtype}; sign packing needs a floating-point tensor (fp16, bf16, fp32, fp64)")
+        raise ValueError(
+            f"{what} has dtype {x.dtype}; sign packing needs a floating-point tensor (fp16, bf16, fp32, fp64)"
+        )
     return x.detach().reshape(-1).contiguous()
 
 

@@ -7,7 +7,6 @@ import math
 from types import ModuleType
 
 import torch
-
 import torch.distributed as dist
 
 from ..dist import CommStats, from_host, group_size_rank
@@ -162,7 +161,14 @@ def scaled_sign_allreduce(
     encoding = ScaledSignEncoding(kernels_for(flat.device, kernels), worker_error.view(-1), server_error.view(-1))
     result = torch.empty_like(flat)
     ExchangeWork(
-        encoding, flat, group, out=result, two_phase=True, stats=stats, nonfinite=nonfinite, label=label,
-    ).wait()  # fmt: skip
+        encoding,
+        flat,
+        group,
+        out=result,
+        two_phase=True,
+        stats=stats,
+        nonfinite=nonfinite,
+        label=label,
+    ).wait()
     tensor.copy_(result[: tensor.numel()].view(tensor.shape))
     return tensor

@@ -32,10 +32,25 @@ import torch
 from ..kernels.layout import FLOAT_LAYOUTS
 
 __all__ = [
-    "AGREE_FIELDS", "HEADER_WORDS", "GATHER_HEADER_WORDS", "WORD_BYTES", "FLAG_NONFINITE", "FLAG_ZERO_LIST",
-    "FLAG_ZERO_PLANE", "FLAG_ZERO_RUNS", "FLAG_SENDS_EXTRA", "EXCHANGE_FLAGS", "DTYPE_CODES", "Plan", "Encoded", "Encoding",
-    "extra_words", "with_extra", "shape_word", "describe_shape",
-]  # fmt: skip
+    "AGREE_FIELDS",
+    "HEADER_WORDS",
+    "GATHER_HEADER_WORDS",
+    "WORD_BYTES",
+    "FLAG_NONFINITE",
+    "FLAG_ZERO_LIST",
+    "FLAG_ZERO_PLANE",
+    "FLAG_ZERO_RUNS",
+    "FLAG_SENDS_EXTRA",
+    "EXCHANGE_FLAGS",
+    "DTYPE_CODES",
+    "Plan",
+    "Encoded",
+    "Encoding",
+    "extra_words",
+    "with_extra",
+    "shape_word",
+    "describe_shape",
+]
 
 AGREE_FIELDS = 3  # entries, dtype, tag: the words of a vote's agreement round
 HEADER_WORDS = 4
@@ -100,10 +115,14 @@ class Encoding(Protocol):
 
     def encode(self, flat: torch.Tensor, plan: Plan) -> Encoded: ...
 
-    def reduce(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, part: int, plan: Plan) -> Encoded:
+    def reduce(
+        self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, part: int, plan: Plan
+    ) -> Encoded:
         """Reduce the M received rows of ``part`` into one (an ``Encoded`` with one part)."""
 
-    def decode(self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, plan: Plan, out: torch.Tensor) -> None: ...
+    def decode(
+        self, rows: torch.Tensor, codes: list[int], values: list[int], extras: list, plan: Plan, out: torch.Tensor
+    ) -> None: ...
 
     def plain_result(self, codes: list[int]) -> bool:
         """Whether every reduced part will carry code 0 and value 0, given that no rank sent an

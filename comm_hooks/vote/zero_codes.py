@@ -18,13 +18,23 @@ import torch
 
 from ..kernels.layout import as_signed, shift_right
 from ..kernels.torch_ops import popcount64
+from .wire import EXTRA_SHIFT, with_extra
 from .wire import FLAG_ZERO_LIST as ZERO_LIST
 from .wire import FLAG_ZERO_PLANE as ZERO_PLANE
 from .wire import FLAG_ZERO_RUNS as ZERO_RUNS
-from .wire import EXTRA_SHIFT, with_extra
 
-__all__ = ["ZEROS_SENT", "zero_positions", "plane_from_positions", "zero_runs", "plane_from_runs", "clear_bits",
-           "list_positions", "zero_codes", "extra_of", "plane_of"]  # fmt: skip
+__all__ = [
+    "ZEROS_SENT",
+    "zero_positions",
+    "plane_from_positions",
+    "zero_runs",
+    "plane_from_runs",
+    "clear_bits",
+    "list_positions",
+    "zero_codes",
+    "extra_of",
+    "plane_of",
+]
 
 ZEROS_SENT = ZERO_LIST | ZERO_PLANE | ZERO_RUNS
 POSITION_LIMIT = 1 << 31
@@ -42,7 +52,9 @@ def zero_positions(nonzero: torch.Tensor, count: int | None = None) -> torch.Ten
         words = (nonzero != -1).nonzero().view(-1)
     else:  # a word of the sentinel (all bits set) stands in for the words past the last one
         padded = torch.cat([nonzero, nonzero.new_full((1,), -1)])
-        words = torch.nonzero_static(padded != -1, size=min(count, nonzero.numel()), fill_value=nonzero.numel()).view(-1)
+        words = torch.nonzero_static(padded != -1, size=min(count, nonzero.numel()), fill_value=nonzero.numel()).view(
+            -1
+        )
         nonzero = padded
     bits = torch.arange(64, device=nonzero.device)
     clear = ((~nonzero[words]).unsqueeze(1) >> bits) & 1  # [k_words, 64]

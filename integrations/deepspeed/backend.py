@@ -82,6 +82,12 @@ class SignCompressedBackend:
                 "with algorithm='auto' or 'two_phase', no fault and zeros='abstain' (those settings apply to majority_vote)"
             )
         return scaled_sign_allreduce(
-            buffer_m, worker_error, server_error, self.process_group, kernels=config.kernels,
-            nonfinite=config.nonfinite, stats=self.stats, label="compressed_allreduce",
-        )  # fmt: skip
+            buffer_m,
+            worker_error,
+            server_error,
+            self.process_group,
+            kernels=config.kernels,
+            nonfinite=config.nonfinite,
+            stats=self.stats,
+            label="compressed_allreduce",
+        )

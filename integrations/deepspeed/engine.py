@@ -71,13 +71,13 @@ def check_supported(config: dict[str, Any], name: str, *, bf16: bool = True) -> 
         raise ValueError(
             f"optimizer {name} with ZeRO stage {stage}: ZeRO partitions the optimizer state across all ranks, but each "
             "worker's momentum must stay whole (it is that worker's vote), and ZeRO reduces full-precision gradients, "
-            "which is the communication the vote replaces. Use \"zero_optimization\": {\"stage\": 0}, or shard the "
+            'which is the communication the vote replaces. Use "zero_optimization": {"stage": 0}, or shard the '
             "model inside each node with FSDP2 and vote between nodes: signmuon.optim.register_fsdp_vote"
         )
     if config.get("fp16", {}).get("enabled", False):
         raise ValueError(
             f"optimizer {name} with fp16: DeepSpeed's fp16 optimizer adds loss scaling (which a sign vote "
-            "does not need) and flattens the parameters; use \"bf16\": {\"enabled\": true} or fp32 with "
+            'does not need) and flattens the parameters; use "bf16": {"enabled": true} or fp32 with '
             "torch.autocast for half-precision compute in the forward pass"
         )
     section = config.get("bf16", {})
@@ -92,7 +92,7 @@ def check_supported(config: dict[str, Any], name: str, *, bf16: bool = True) -> 
         raise ValueError(
             f"optimizer {name} with bf16 settings {sorted(set(section) - {'enabled'})}: with our optimizers bf16 means bf16 "
             "parameters and gradients with float32 master weights and momentum in the optimizer; give only "
-            "\"bf16\": {\"enabled\": true}"
+            '"bf16": {"enabled": true}'
         )
 
 
@@ -162,9 +162,14 @@ def initialize(
         model.to(torch.bfloat16)  # what DeepSpeed's bf16 does to the module; master weights stay float32 below
     trainable = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     opt = sign_optimizer_from_spec(
-        {"type": name, "params": spec.get("params", {})}, trainable, reserved=_RESERVED,
-        vote=vote, vote_in_step=not overlap_backward, checkpoint_all_ranks=False, master_weights=bf16,
-    )  # fmt: skip
+        {"type": name, "params": spec.get("params", {})},
+        trainable,
+        reserved=_RESERVED,
+        vote=vote,
+        vote_in_step=not overlap_backward,
+        checkpoint_all_ranks=False,
+        master_weights=bf16,
+    )
     config_rest = {k: v for k, v in loaded.items() if k not in ("optimizer", "vote", "bf16")}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         model=model, config=config_rest, optimizer=opt, **kwargs
@@ -223,4 +228,3 @@ def _checkpoint_per_rank(engine, opt) -> None:
         return path, client_state
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
-
