@@ -140,16 +140,25 @@ def _unpack_kernel(pos_ptr, nz_ptr, out_ptr, n, nwords, plus, sign_shift, TERNAR
     tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+def _pack_outputs(words: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Both planes (all bits set: words past the data stay padding), the zero count, the NaN/Inf flag."""
+    positive = torch.full((words,), -1, dtype=torch.int64, device=device)
+    nonzero = torch.full((words,), -1, dtype=torch.int64, device=device)
+    return (
+        positive,
+        nonzero,
+        torch.zeros(1, dtype=torch.int64, device=device),
+        torch.zeros(1, dtype=torch.int32, device=device),
+    )
+
+
 def _unsigned_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(FLOAT_LAYOUTS[x.dtype].int_dtype)
 
 
 def pack(x: torch.Tensor, words: int):
     layout = FLOAT_LAYOUTS[x.dtype]
-    positive = torch.full((words,), -1, dtype=torch.int64, device=x.device)
-    nonzero = torch.full((words,), -1, dtype=torch.int64, device=x.device)
-    zeros = torch.zeros(1, dtype=torch.int64, device=x.device)
-    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    positive, nonzero, zeros, bad = _pack_outputs(words, x.device)
     bits = _unsigned_view(x).view(-1)
     for first, count in _chunks(data_words(x.numel())):  # words past the data keep their fill: all padding
         n = min(64 * count, x.numel() - 64 * first)
@@ -186,10 +195,7 @@ def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: to
     if grad.dtype != buf.dtype and grad.element_size() >= buf.element_size():
         grad = grad.to(buf.dtype)  # a rounding cast, as lerp_'s caller makes; widening ones run in the kernel
     layout = FLOAT_LAYOUTS[buf.dtype]
-    positive = torch.full((words,), -1, dtype=torch.int64, device=buf.device)
-    nonzero = torch.full((words,), -1, dtype=torch.int64, device=buf.device)
-    zeros = torch.zeros(1, dtype=torch.int64, device=buf.device)
-    bad = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    positive, nonzero, zeros, bad = _pack_outputs(words, buf.device)
     math_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32  # torch's lerp arithmetic
     weight_t = _weight_on(weight, math_dtype, buf.device)
     skip_flag = skip.reshape(1).to(torch.int8)
