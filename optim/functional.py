@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from signmuon.comm_hooks.momentum import advance_momentum
+from signmuon.comm_hooks.dist import nonfinite_flag
+from signmuon.comm_hooks.kernels.layout import lerp_unless
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 
@@ -30,6 +31,7 @@ __all__ = [
     "MUON_LR_RATIO",
     "MUON_UPDATE_RMS",
     "adamw_update",
+    "advance_momentum",
     "lr_from_muon",
     "muon_direction",
     "orthogonalize",
@@ -44,6 +46,21 @@ LR_SCALINGS = ("global", "fan_in", "muon")
 MUON_UPDATE_RMS = 0.9
 # SignMuon's lr (lr_scaling="global") per unit of a torch.optim.Muon user's lr: see lr_from_muon.
 MUON_LR_RATIO = 0.2
+
+
+def advance_momentum(buf: torch.Tensor, grad: torch.Tensor, beta: float) -> torch.Tensor:
+    """``buf <- beta*buf + (1-beta)*grad`` (as ``buf.lerp_(grad, 1-beta)``, torch's Muon form)
+    unless ``grad`` holds NaN or Inf; returns that flag (0-d bool).
+
+    Signum's momentum step per parameter (the optimizers'); the DDP hook advances its buckets'
+    momentum inside the pack instead (``vote.MomentumStep``, the kernels' ``momentum_pack``),
+    rounding alike (:func:`~signmuon.comm_hooks.kernels.layout.lerp_unless`). A non-finite
+    gradient never enters the momentum. On CPU the check is one summing pass; on a GPU the
+    update is a select on the device (no host synchronisation).
+    """
+    bad = nonfinite_flag(grad)
+    lerp_unless(buf, grad, 1.0 - beta, bad)
+    return bad
 
 
 def signum_direction(
