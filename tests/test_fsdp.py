@@ -74,6 +74,16 @@ def _reference_worker(rank, world_size, per_node):
         "signmuon", net.parameters(), VoteConfig(hierarchical=True, ranks_per_node=per_node), vote_in_step=True
     )
     out["in_step_fast"] = _train(net, opt, rank)
+    # Row-sharded matrices with fast ties (Signum-MV, signSGD-MV): each shard must draw the coins
+    # of its entries in the whole matrix (its first entry is its first row times the row's size).
+    for kind in ("signsgd", "signum_mv"):
+        net = _sharded_net(mesh)
+        opt = _optimizer(kind, net.parameters(), VoteConfig())
+        register_fsdp_vote(net, opt, mesh)
+        out[f"fsdp_fast_{kind}"] = _train(net, opt, rank)
+        net = tiny_net()
+        config = VoteConfig(hierarchical=True, ranks_per_node=per_node)
+        out[f"in_step_fast_{kind}"] = _train(net, _optimizer(kind, net.parameters(), config, vote_in_step=True), rank)
     # Non-matrix parameters on AdamW over the full-precision mean, as in DDP.
     net = _sharded_net(mesh)
     opt = _optimizer("signmuon", net.parameters(), VoteConfig(), non_matrix="adamw")
@@ -125,6 +135,8 @@ def test_fsdp_vote_equals_the_node_level_reference_and_the_node_aware_ddp_path(w
         ("fsdp_fast", "in_step_fast"),
         ("fsdp_exact", "ddp_exact"),
         ("fsdp_adamw", "in_step_adamw"),
+        ("fsdp_fast_signsgd", "in_step_fast_signsgd"),
+        ("fsdp_fast_signum_mv", "in_step_fast_signum_mv"),
     ):
         for step, (a_params, b_params) in enumerate(zip(out[fsdp], out[unsharded])):
             for a, b in zip(a_params, b_params):
