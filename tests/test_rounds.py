@@ -309,14 +309,18 @@ def test_resume_is_bit_identical(combine):
 # --- node-aware rounds ------------------------------------------------------------------------
 
 
-def _node_worker(rank, world_size, combine):
+def _node_worker(rank, world_size, combine, block=0, scale_bits=32):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     layout = node_layout(None, 2)
     model = DDP(rounds_model())
-    averager = DPPFAverager(
-        period=H, pull=1.0, outer=OuterStep.diloco(pseudo_gradient=combine), module=model.module, layout=layout
-    )
+    outer = OuterStep.diloco(pseudo_gradient=combine)
+    if combine != "mean":  # exact ties, as the single-process references vote
+        outer = OuterStep(
+            optimizer=outer.optimizer, pseudo_gradient=combine, vote=VoteConfig(tie="exact"), scale_block=block,
+            scale_bits=scale_bits,
+        )  # fmt: skip
+    averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model.module, layout=layout)
     opt = local_sgd(model, rounds_inner(model), averager)
     history = []
     for step in range(STEPS):
@@ -327,12 +331,47 @@ def _node_worker(rank, world_size, combine):
     return history, averager.stats.bytes_sent_between_nodes, averager.consensus.tensors[0].numel()
 
 
-def _node_reference(nodes, per_node, steps):
+def _blocks(sizes, lo, hi, block):
+    """Lengths of the scale blocks of the slice [lo, hi) of tensors of ``sizes``, one by one."""
+    found, start = [], 0
+    for size in sizes:
+        step = block or size
+        for at in range(start, start + size, max(step, 1)):
+            a, b = max(at, lo), min(at + step, start + size, hi)
+            if b > a:
+                found.append(b - a)
+        start += size
+    return found
+
+
+def _node_combine(deltas, errors, combine, per_node, sizes, block, scale_bits):
+    """The nodes' pseudo-gradients combined as node-aware rounds do: each local rank's 1/L slice
+    of the flat parameters on its own (its own scales, its own error feedback), then joined."""
+    if combine == "mean":
+        return sum(deltas) / len(deltas)
+    n = deltas[0].numel()
+    chunk = -(-n // per_node)
+    parts = []
+    for local in range(per_node):
+        lo, hi = local * chunk, min(n, (local + 1) * chunk)
+        blocks = _blocks(sizes, lo, hi, block)
+        pieces = [d[lo:hi] for d in deltas]
+        if combine == "sign_vote_ef":
+            pieces = [p + e[lo:hi] for p, e in zip(pieces, errors)]
+            for e, p in zip(errors, pieces):  # each node keeps what its own scaled signs leave out
+                e[lo:hi] = torch.cat([q - q.sign() * q.abs().mean() for q in p.split(blocks)])
+        parts.append(_sign_vote_combine(pieces, blocks, scale_bits))
+    return torch.cat(parts)
+
+
+def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=32):
     """DiLoCo over `nodes` workers whose gradient is the mean of their ranks' gradients."""
     models = [rounds_model() for _ in range(nodes)]
     inners = [rounds_inner(m) for m in models]
     consensus = flat_params(models[0]).clone()
     outer = torch.optim.SGD([consensus], lr=0.7, momentum=0.9, nesterov=True)
+    sizes = [p.numel() for p in models[0].parameters()]
+    errors = [torch.zeros_like(consensus) for _ in range(nodes)]
     history = []
     for step in range(steps):
         for node, (m, opt) in enumerate(zip(models, inners)):
@@ -342,7 +381,8 @@ def _node_reference(nodes, per_node, steps):
             ).backward()
             opt.step()
         if (step + 1) % H == 0:
-            consensus.grad = sum(consensus - flat_params(m) for m in models) / nodes
+            deltas = [consensus - flat_params(m) for m in models]
+            consensus.grad = _node_combine(deltas, errors, combine, per_node, sizes, block, scale_bits)
             outer.step()
             for m in models:
                 torch.nn.utils.vector_to_parameters(consensus.clone(), m.parameters())
@@ -367,6 +407,23 @@ def test_node_aware_rounds_equal_the_node_level_reference():
         assert between < (STEPS // H) * rail_ring + 4096  # plus the small agreement rounds
     for a, b in zip(results[0][0], results[1][0]):  # the ranks of a node hold the same parameters
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "combine, block, scale_bits",
+    [("sign_vote", 0, 32), ("sign_vote_ef", 0, 32), ("sign_vote_ef", 5, 32), ("sign_vote_ef", 5, 8)],
+)
+def test_node_aware_one_bit_rounds_equal_the_node_level_reference(combine, block, scale_bits):
+    """2 nodes x 2 ranks: each rank votes its slice between the nodes with its own scales (blocks
+    cut at the slice's edges) and error feedback, against the nodes as single workers."""
+    results = run_distributed(_node_worker, 4, combine, block, scale_bits)
+    expected = _node_reference(2, 2, STEPS, combine, block, scale_bits)
+    for rank, (history, _, _) in enumerate(results):
+        for step, got in enumerate(history):
+            torch.testing.assert_close(
+                got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}"
+            )
+    assert not torch.equal(results[0][0][-1], results[0][0][0])
 
 
 # --- DiLoCo against torchft's ---------------------------------------------------------------------
