@@ -344,33 +344,64 @@ def _blocks(sizes, lo, hi, block):
     return found
 
 
-def _node_combine(deltas, errors, combine, per_node, sizes, block, scale_bits):
-    """The nodes' pseudo-gradients combined as node-aware rounds do: each local rank's 1/L slice
-    of the flat parameters on its own (its own scales, its own error feedback), then joined."""
-    if combine == "mean":
-        return sum(deltas) / len(deltas)
-    n = deltas[0].numel()
+def _rail_parts(shapes, per_node):
+    """Node-aware rounds: local rank l carries entries [l·c, (l+1)·c) of the flat parameters
+    (c = ceil(n / L)); its blocks are cut by the slice's edges, counted from each tensor's start."""
+    sizes = [math.prod(shape) for shape in shapes]
+    n = sum(sizes)
     chunk = -(-n // per_node)
     parts = []
     for local in range(per_node):
         lo, hi = local * chunk, min(n, (local + 1) * chunk)
-        blocks = _blocks(sizes, lo, hi, block)
-        pieces = [d[lo:hi] for d in deltas]
+        parts.append((torch.arange(lo, hi), lambda block, lo=lo, hi=hi: _blocks(sizes, lo, hi, block)))
+    return parts
+
+
+def _fsdp_parts(shapes, per_node):
+    """FSDP2 rounds: local rank l carries rows [l·c, (l+1)·c) of each tensor (torch.chunk's split),
+    its shards one after another; its blocks are counted from each shard's start."""
+    offsets = [0]
+    for shape in shapes:
+        offsets.append(offsets[-1] + math.prod(shape))
+    parts = []
+    for local in range(per_node):
+        index, shard_sizes = [], []
+        for offset, shape in zip(offsets, shapes):
+            rows, row = shape[0], math.prod(shape[1:])
+            c = -(-rows // per_node)
+            lo, hi = min(rows, local * c), min(rows, (local + 1) * c)
+            index.append(torch.arange(offset + lo * row, offset + hi * row))
+            shard_sizes.append((hi - lo) * row)
+        parts.append((torch.cat(index), lambda block, s=shard_sizes: _blocks(s, 0, sum(s), block)))
+    return parts
+
+
+def _node_combine(deltas, errors, combine, parts, block, scale_bits):
+    """The nodes' pseudo-gradients combined as the rounds do when each local rank carries a part
+    of the parameters (``parts``: its entries and its blocks): each part on its own, with its own
+    scales and its own error feedback."""
+    if combine == "mean":
+        return sum(deltas) / len(deltas)
+    grad = torch.zeros_like(deltas[0])
+    for index, blocks_of in parts:
+        blocks = blocks_of(block)
+        pieces = [d[index] for d in deltas]
         if combine == "sign_vote_ef":
-            pieces = [p + e[lo:hi] for p, e in zip(pieces, errors)]
+            pieces = [p + e[index] for p, e in zip(pieces, errors)]
             for e, p in zip(errors, pieces):  # each node keeps what its own scaled signs leave out
-                e[lo:hi] = torch.cat([q - q.sign() * q.abs().mean() for q in p.split(blocks)])
-        parts.append(_sign_vote_combine(pieces, blocks, scale_bits))
-    return torch.cat(parts)
+                e[index] = torch.cat([q - q.sign() * q.abs().mean() for q in p.split(blocks)])
+        grad[index] = _sign_vote_combine(pieces, blocks, scale_bits)
+    return grad
 
 
-def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=32):
-    """DiLoCo over `nodes` workers whose gradient is the mean of their ranks' gradients."""
+def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=32, partition=_rail_parts):
+    """DiLoCo over `nodes` workers whose gradient is the mean of their ranks' gradients; one-bit
+    rules combine each local rank's part of the parameters (``partition``) on its own."""
     models = [rounds_model() for _ in range(nodes)]
     inners = [rounds_inner(m) for m in models]
     consensus = flat_params(models[0]).clone()
     outer = torch.optim.SGD([consensus], lr=0.7, momentum=0.9, nesterov=True)
-    sizes = [p.numel() for p in models[0].parameters()]
+    parts = partition([tuple(p.shape) for p in models[0].parameters()], per_node)
     errors = [torch.zeros_like(consensus) for _ in range(nodes)]
     history = []
     for step in range(steps):
@@ -382,7 +413,7 @@ def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=
             opt.step()
         if (step + 1) % H == 0:
             deltas = [consensus - flat_params(m) for m in models]
-            consensus.grad = _node_combine(deltas, errors, combine, per_node, sizes, block, scale_bits)
+            consensus.grad = _node_combine(deltas, errors, combine, parts, block, scale_bits)
             outer.step()
             for m in models:
                 torch.nn.utils.vector_to_parameters(consensus.clone(), m.parameters())
@@ -511,7 +542,7 @@ def test_diloco_equals_torchft_step_for_step():
 # --- rounds on FSDP2's shards: FSDP2 inside each node, rounds between nodes ---------------------
 
 
-def _fsdp_rounds_worker(rank, world_size):
+def _fsdp_rounds_worker(rank, world_size, combine="mean", block=0, scale_bits=32):
     from torch.distributed.fsdp import fully_shard
 
     from signmuon.optim import node_mesh
@@ -528,9 +559,16 @@ def _fsdp_rounds_worker(rank, world_size):
             lambda: DPPFAverager(period=H, pull=0.5, push=0.05, module=model, process_group=mesh["node"].get_group())
         ),
     )
-    averager = DPPFAverager(
-        period=H, pull=1.0, outer=OuterStep.diloco(), module=model, process_group=mesh["node"].get_group()
-    )
+    outer = OuterStep.diloco()
+    if combine != "mean":  # exact ties, as the single-process references vote
+        outer = OuterStep(
+            optimizer=outer.optimizer,
+            pseudo_gradient=combine,
+            vote=VoteConfig(tie="exact"),
+            scale_block=block,
+            scale_bits=scale_bits,
+        )
+    averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model, process_group=mesh["node"].get_group())
     history = []
     for step in range(STEPS):
         inner.zero_grad()
@@ -559,3 +597,16 @@ def test_rounds_on_fsdp2_shards_equal_the_node_level_reference():
         rounds_ring = (STEPS // H) * shard * 4  # two nodes: a round sends this rank's shard once
         assert rounds_ring <= sent < rounds_ring + 4096, (sent, rounds_ring)
     assert sum(r[2] for r in results[:2]) == numel  # a node's two shards make the whole model
+
+
+@pytest.mark.parametrize("combine, block, scale_bits", [("sign_vote", 0, 32), ("sign_vote_ef", 5, 8)])
+def test_one_bit_rounds_on_fsdp2_shards_equal_the_node_level_reference(combine, block, scale_bits):
+    """Each rank's rows of each tensor, voted with the same rows of the other node: scales per
+    shard (blocks counted from each shard's first entry), error feedback per shard."""
+    results = run_distributed(_fsdp_rounds_worker, 4, combine, block, scale_bits)
+    expected = _node_reference(2, 2, STEPS, combine, block, scale_bits, partition=_fsdp_parts)
+    for rank, (history, *_) in enumerate(results):
+        for step, got in enumerate(history):
+            torch.testing.assert_close(
+                got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}"
+            )
