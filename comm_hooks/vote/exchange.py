@@ -33,9 +33,10 @@ rank's values. It is one tiny collective, hence one latency, per call.
 
 Reading the headers is the one host synchronisation per exchange step on a GPU: it decides the
 sizes of the optional extras and the skip, which the host must know to issue the next
-collective. Step 3's headers are not read where step 1's already tell every rank that no
-reduced part carries an extra (the encoding's ``plain_result``: for the vote, no zeros sent and
-no tie that votes 0), so the common vote reads the host once. Collectives are issued only by the thread that calls the stage methods, in call
+collective. Step 3's headers are not read where what every rank learnt alike in step 1 says
+that no reduced part carries an extra: no rank sent one (each sender's ``FLAG_SENDS_EXTRA``), and
+the encoding's ``plain_result`` (for the vote: no tie that votes 0). So the common vote reads the
+host once. Collectives are issued only by the thread that calls the stage methods, in call
 order (gloo pairs collectives by issue order; see ``VoteWork``).
 """
 
