@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["CommStats"]
 
 
@@ -23,7 +25,7 @@ class CommStats:
         "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
         "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds",
     )
-    __slots__ = (*(name for name in _FIELDS if name != "skipped"), "_skipped", "_skip_flags")
+    __slots__ = (*(name for name in _FIELDS if name != "skipped"), "_skipped", "_skips_on_device")
     _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds")
 
     def __init__(self) -> None:
@@ -31,7 +33,7 @@ class CommStats:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._skipped = 0
-        self._skip_flags: list = []  # 0-d bool tensors on a device, counted when read
+        self._skips_on_device = None  # a 0-d int64 count kept on the device, added to _skipped when read
         self.bytes_sent_inside_node = 0
         self.bytes_received_inside_node = 0
         self.pack_seconds = 0.0
@@ -41,19 +43,23 @@ class CommStats:
 
     @property
     def skipped(self) -> int:
-        """Calls skipped for non-finite input (flags left on a device are read now, not when set)."""
-        if self._skip_flags:
-            self._skipped += int(sum(int(flag) for flag in self._skip_flags))
-            self._skip_flags = []
+        """Calls skipped for non-finite input (a count kept on a device is read now, not when set)."""
+        if self._skips_on_device is not None:
+            self._skipped += int(self._skips_on_device)
+            self._skips_on_device = None
         return self._skipped
 
     @skipped.setter
     def skipped(self, value: int) -> None:
-        self._skipped, self._skip_flags = value, []
+        self._skipped, self._skips_on_device = value, None
 
     def skip_if(self, flag) -> None:
-        """Count a skip where the 0-d bool ``flag`` is set, without reading it now (no host sync)."""
-        self._skip_flags.append(flag)
+        """Count a skip where the 0-d bool ``flag`` is set, without reading it now (no host sync):
+        added to one count on the flag's device, so a long run holds one tensor, not one per call."""
+        if self._skips_on_device is None:
+            self._skips_on_device = flag.to(torch.int64)
+        else:
+            self._skips_on_device += flag
 
     def add(self, sent: int, received: int, inside_node: bool = False) -> None:
         self.bytes_sent += sent

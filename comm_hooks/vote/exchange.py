@@ -47,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..dist import CommStats, NonFiniteError, VoteMismatchError, agree, group_size_rank, host_words
+from ..dist import CommStats, NonFiniteError, VoteMismatchError, agree, all_to_all, group_size_rank, host_words
 from .wire import (
     AGREE_FIELDS,
     DTYPE_CODES,
@@ -184,24 +184,11 @@ class ExchangeWork:
     def _exchange_extras(self, lengths_from: list[int], mine: list[torch.Tensor], broadcast: bool) -> list:
         """Variable-size all-to-all: ``mine[d]`` goes to rank d (or ``mine[0]`` to all if
         ``broadcast``); returns what each rank sent here (None where it sent nothing)."""
-        plan, M = self._plan, self._plan.world_size
+        M = self._plan.world_size
         if M == 1:
             return [mine[0] if lengths_from[0] else None]
         outgoing = [mine[0] if broadcast else mine[d] for d in range(M)]
-        send = torch.cat(outgoing)
-        recv = send.new_empty(sum(lengths_from))
-        dist.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=lengths_from,
-            input_split_sizes=[t.numel() for t in outgoing],
-            group=self._group,
-        )
-        me = plan.rank
-        self._account(
-            sum(t.numel() for d, t in enumerate(outgoing) if d != me),
-            sum(n for s, n in enumerate(lengths_from) if s != me),
-        )
+        recv = all_to_all(torch.cat(outgoing), [t.numel() for t in outgoing], lengths_from, self._group, self._stats)
         pieces = list(recv.split(lengths_from))
         return [p if n else None for p, n in zip(pieces, lengths_from)]
 
