@@ -2,7 +2,6 @@
 flight and statistics (:class:`VoteHookState`), picklable without its process group."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
-import collections
 import logging
 from collections.abc import Callable
 
@@ -11,68 +10,20 @@ import torch.distributed as dist
 
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
 from .kernels.layout import SignSegments
+from .pipeline import VotePipeline
 from .vote import (
     MomentumStep,
     NodeLayout,
     NodeVoteWork,
-    OwnedVoteWork,
     VoteConfig,
     VoteWork,
     majority_vote_async,
     node_layout,
 )
 
-__all__ = ["VoteHookState", "VotePipeline", "bucket_segments", "watch_first_step"]
+__all__ = ["VoteHookState", "bucket_segments", "watch_first_step"]
 
 logger = logging.getLogger(__name__)
-
-
-class VotePipeline:
-    """The votes of one backward pass still in flight, oldest first, advanced a stage at a time.
-
-    Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
-    issues the same sequence; a vote's second exchange thus overlaps the next bucket's
-    backward. A ``NonFiniteError`` (raised on every rank alike) goes to ``defer`` and the bucket
-    is zeroed; any other error fails every pending future, so DDP never waits forever.
-    """
-
-    __slots__ = ("_pending", "_defer")
-
-    def __init__(self, defer: Callable[[NonFiniteError], None]) -> None:
-        self._pending: collections.deque[
-            tuple[VoteWork | NodeVoteWork | OwnedVoteWork, torch.futures.Future, Callable | None]
-        ] = collections.deque()
-        self._defer = defer
-
-    def add(self, work, fut: torch.futures.Future, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """Track ``work``, whose result (mapped by ``finish``) completes DDP's ``fut``."""
-        self._pending.append((work, fut, finish))
-
-    def advance(self, drain: bool = False) -> None:
-        """Move every pending vote one stage on (all of them to the end if ``drain``)."""
-        remaining: collections.deque = collections.deque()
-        try:
-            for work, fut, finish in self._pending:
-                if drain or work.exchanged:
-                    voted = self._advance(work, to_end=True)
-                    fut.set_result(voted if finish is None else finish(voted))
-                else:
-                    self._advance(work, to_end=False)
-                    remaining.append((work, fut, finish))
-        except BaseException as error:
-            for _, fut, _ in self._pending:
-                if not fut.done():
-                    fut.set_exception(error)
-            self._pending.clear()
-            raise
-        self._pending = remaining
-
-    def _advance(self, work, to_end: bool) -> torch.Tensor | None:
-        try:
-            return work.wait() if to_end else work.exchange()
-        except NonFiniteError as error:  # raised on every rank alike; the work is now skipped
-            self._defer(error)
-            return work.wait() if to_end else None
 
 
 class VoteHookState:

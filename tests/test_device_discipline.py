@@ -282,11 +282,11 @@ class Embedded(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(512, 32)
+        self.embed = nn.Embedding(512, 16)
         self.body = mlp()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.body(self.embed(tokens).mean(dim=1).repeat(1, 1)[:, :16])
+        return self.body(self.embed(tokens).mean(dim=1))
 
 
 def _embedding_reads_worker(rank: int, world_size: int, momentum: float) -> list[tuple[int, int, dict]]:
