@@ -164,13 +164,13 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         }
         if method in NODE_AWARE or (method in FSDP and hooked):
             nodes, per_node = (
-                opt.sharded_vote.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
+                opt.exchange.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
             )
             row["nodes"] = f"{nodes}x{per_node}"
             row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
             # A node's ranks carry different shares (SignMuon's owners): the node's sums, every
             # call counted (what the veth counters see) and per timed step.
-            node_group = opt.sharded_vote.voter.layout.node_group if method in FSDP else state.layout.node_group
+            node_group = opt.exchange.voter.layout.node_group if method in FSDP else state.layout.node_group
             between = state.stats.bytes_sent_between_nodes
             total = torch.tensor(
                 [float(between), (between - between_before) / args.steps], dtype=torch.float64, device=device

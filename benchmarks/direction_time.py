@@ -40,7 +40,7 @@ def direction_time(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.
         }
     ]
     for whole, label in ((True, "matrices"), (False, "the rest")):
-        chosen = [p for p in params if opt.votes(p) and opt.needs_whole(p) == whole]
+        chosen = [p for p in params if opt.votes(p) and (opt.route(p)[1] in opt.whole_paths) == whole]
         directions = lambda chosen=chosen: [opt.local_direction(p, p.grad) for p in chosen]  # noqa: E731
         rows.append(
             {

@@ -20,7 +20,8 @@ from .post_local_sgd import local_sgd, register_local_sgd_hook
 from .rounds import OuterStep
 from .routing import HEAD_NAMES, muon_param_groups
 from .sign_muon import SignMuon
-from .sign_vote import SignSGDMV, SignumMV, SignVoteOptimizer
+from .sign_vote import SignVoteOptimizer
+from .signum import SignSGDMV, SignumMV
 from .spec import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 from .valley import ValleyResult, inverse_mean_valley
 

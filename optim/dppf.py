@@ -56,8 +56,8 @@ from signmuon.comm_hooks.dist import (
     unflatten_into,
 )
 
+from .params import local_tensor
 from .rounds import Consensus, OuterStep, average_over_nodes, check_shards, round_flags
-from .sign_vote import local_tensor
 
 __all__ = ["DPPFAverager", "DISTANCES"]
 

@@ -1,19 +1,75 @@
-"""Where a sign-vote optimizer's ``step()`` gets its voted signs and mean gradients, for
-unsharded parameters: from the DDP hook (or the backward reducer), which ran the pre-vote half
-and the vote during backward, or voted in ``step()`` itself (one process, ``vote_in_step``).
-The FSDP2 path is :meth:`~signmuon.optim.fsdp.ShardedVote.exchange`. Each returns
-``(voted, signs, averaged, means)``: (group, param, path) of the voted and the averaged
-parameters, and the update of each."""
+"""Where a sign-vote optimizer's ``step()`` gets its voted signs and mean gradients: the one
+protocol, :class:`Exchange`, and its unsharded implementations.
+
+An optimizer holds one exchange, chosen once:
+
+* :class:`InStepExchange` (the default): alone, the local signs; with ``vote_in_step=True``,
+  the vote across ``process_group`` inside ``step()``;
+* :class:`HookExchange`: the DDP hook (or the backward reducer) ran the pre-vote half and the
+  vote during backward, and left the vote in ``.grad``;
+* :class:`~signmuon.optim.fsdp.ShardedExchange`: FSDP2 shards, voted between nodes.
+
+Each returns :class:`Exchanged`; the optimizer's step loop is the same for all three.
+"""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from signmuon.comm_hooks import SignMuonHookState
+from signmuon.comm_hooks import CommStats, SignMuonHookState, VoteConfig
 from signmuon.comm_hooks.step_vote import StepVoter
 
-__all__ = ["from_hook", "in_step", "refuse_dtensors"]
+from .checkpoint import load_rank_state, rank_state_dict
+
+__all__ = ["Exchange", "Exchanged", "HookExchange", "InStepExchange", "refuse_dtensors"]
+
+
+class Exchanged(NamedTuple):
+    """One step's result of an exchange."""
+
+    voted: list
+    """(param group, param, path) of each voted parameter."""
+    signs: list[torch.Tensor]
+    """The voted update of each (this rank's part of it, on shards)."""
+    averaged: list
+    """(param group, param, path) of each parameter whose gradient is averaged."""
+    means: list[torch.Tensor]
+    """The mean gradient of each."""
+
+
+class Exchange:
+    """How an optimizer's ``step()`` meets the other ranks. Override :meth:`exchange`; the rest
+    has the unsharded defaults."""
+
+    finishes_vote = False
+    """Whether :meth:`exchange` already applied ``finish_vote`` (at the rank that owns the whole tensor)."""
+
+    def exchange(self, optimizer, params: list[torch.Tensor], name: str) -> Exchanged:
+        """This step's voted signs and mean gradients of ``params`` (every managed parameter)."""
+        raise NotImplementedError
+
+    def check_serves(self, optimizer) -> None:
+        """Raise if this exchange cannot serve ``optimizer`` (when it is chosen)."""
+
+    def params_changed(self, optimizer) -> None:
+        """``add_param_group`` is about to add parameters (raise to refuse them)."""
+
+    def stepped(self) -> None:
+        """``step()`` (or a load) has applied what the last exchange gave."""
+
+    def state_dict(self, optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """torch's ``state`` as this exchange saves it."""
+        return rank_state_dict(optimizer, state)
+
+    def load_state_dict(self, optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`state_dict`: torch's state dict for this rank, checked to fit,
+        with ``{"signmuon": {"steps_taken": ...}}``."""
+        steps = state_dict.get("signmuon", {}).get("steps_taken", 0)
+        return {**load_rank_state(optimizer, state_dict), "signmuon": {"steps_taken": steps}}
 
 
 def refuse_dtensors(params: list[torch.Tensor], name: str) -> None:
@@ -26,39 +82,60 @@ def refuse_dtensors(params: list[torch.Tensor], name: str) -> None:
         )
 
 
-def from_hook(
-    optimizer, state: SignMuonHookState, params: list[torch.Tensor], name: str
-) -> tuple[list, list, list, list]:
-    """The hook left the vote in ``.grad`` (and the mean of averaged parameters): its sign undoes
-    any rescaling since (clipping), taken in place (a fresh tensor per parameter per step costs
-    more than the sign itself)."""
-    state.check_one_pass(name)
-    voted, averaged = optimizer.split_by_path([p for p in params if p.grad is not None])
-    return voted, [p.grad.sign_() for _, p, _ in voted], averaged, [p.grad for _, p, _ in averaged]
+class HookExchange(Exchange):
+    """The DDP hook (or the backward reducer) voted during backward."""
+
+    def __init__(self, state: SignMuonHookState) -> None:
+        self.state = state
+
+    def check_serves(self, optimizer) -> None:
+        refuse_dtensors([p for g in optimizer.param_groups for p in g["params"]], type(optimizer).__name__)
+
+    def exchange(self, optimizer, params: list[torch.Tensor], name: str) -> Exchanged:
+        """The hook left the vote in ``.grad`` (and the mean of averaged parameters): its sign undoes
+        any rescaling since (clipping), taken in place (a fresh tensor per parameter per step costs
+        more than the sign itself)."""
+        refuse_dtensors(params, name)
+        self.state.check_one_pass(name)
+        voted, averaged = optimizer.split_by_path([p for p in params if p.grad is not None])
+        return Exchanged(voted, [p.grad.sign_() for _, p, _ in voted], averaged, [p.grad for _, p, _ in averaged])
+
+    def stepped(self) -> None:
+        self.state.stepped()  # the backward pass it checked is now stepped
 
 
-def in_step(optimizer, voter: StepVoter, params: list[torch.Tensor], name: str) -> tuple[list, list, list, list]:
-    """Vote in ``step()`` across ``voter``'s group (alone: the local signs)."""
-    world_size = voter.world_size
-    if world_size > 1 and not optimizer.vote_in_step:
-        raise RuntimeError(
-            f"{name} on {world_size} ranks without its communication hook: under DDP call "
-            "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
+class InStepExchange(Exchange):
+    """Vote inside ``step()`` across ``group`` (alone: the local signs)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, config: VoteConfig, stats: CommStats) -> None:
+        self.voter = StepVoter(group, config, stats)
+
+    def params_changed(self, optimizer) -> None:
+        self.voter.settings_changed()  # the new shapes are compared at the next step
+
+    def exchange(self, optimizer, params: list[torch.Tensor], name: str) -> Exchanged:
+        refuse_dtensors(params, name)
+        voter = self.voter
+        world_size = voter.world_size
+        if world_size > 1 and not optimizer.vote_in_step:
+            raise RuntimeError(
+                f"{name} on {world_size} ranks without its communication hook: under DDP call "
+                "opt.register_comm_hook(ddp_model); without DDP pass vote_in_step=True"
+            )
+        if world_size > 1:
+            voter.check_settings(optimizer.settings(), f"{name} settings")
+            params = voter.used_on_any_rank(params, optimizer.steps_taken, name)
+        else:
+            params = [p for p in params if p.grad is not None]
+        voted, averaged = optimizer.split_by_path(params)
+        step = optimizer.steps_taken
+        signs = voter.vote(
+            [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
+            lambda i, grad: optimizer.local_direction(voted[i][1], grad),
+            lambda i, ranks_per_node: optimizer.owner(voted[i][1], ranks_per_node),
+            present=[p.grad is not None for _, p, _ in voted],
+            step=step,
+            label=f"{name} step {step}",
         )
-    if world_size > 1:
-        voter.check_settings(optimizer.settings(), f"{name} settings")
-        params = voter.used_on_any_rank(params, optimizer.steps_taken, name)
-    else:
-        params = [p for p in params if p.grad is not None]
-    voted, averaged = optimizer.split_by_path(params)
-    step = optimizer.steps_taken
-    signs = voter.vote(
-        [torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in voted],
-        lambda i, grad: optimizer.local_direction(voted[i][1], grad),
-        lambda i, ranks_per_node: optimizer.owner(voted[i][1], ranks_per_node),
-        present=[p.grad is not None for _, p, _ in voted],
-        step=step,
-        label=f"{name} step {step}",
-    )
-    means = voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
-    return voted, signs, averaged, means
+        means = voter.mean([torch.zeros_like(p) if p.grad is None else p.grad for _, p, _ in averaged])
+        return Exchanged(voted, signs, averaged, means)

@@ -39,9 +39,12 @@ from signmuon.comm_hooks.dist import check_same_settings, group_device
 from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
 from signmuon.comm_hooks.vote import NodeLayout
 
-from .sign_vote import SignVoteOptimizer, local_tensor
+from .checkpoint import load_rank_state
+from .exchanges import Exchange, Exchanged
+from .params import local_tensor
+from .sign_vote import SignVoteOptimizer
 
-__all__ = ["ShardedVote", "check_checkpoint_layout", "node_mesh", "register_fsdp_vote"]
+__all__ = ["ShardedExchange", "check_checkpoint_layout", "node_mesh", "register_fsdp_vote"]
 
 MESH_DIMS = ("node", "local")
 
@@ -78,9 +81,10 @@ def node_mesh(ranks_per_node: int | None = None, *, device_type: str | None = No
 
 
 @dataclass(eq=False)
-class ShardedVote:
-    """What :func:`register_fsdp_vote` gives an optimizer: the mesh, the voter and each voted
-    parameter's :class:`~signmuon.comm_hooks.shard_vote.ShardSpec`."""
+class ShardedExchange(Exchange):
+    """The exchange :func:`register_fsdp_vote` gives an optimizer: the mesh, the voter and each
+    voted parameter's :class:`~signmuon.comm_hooks.shard_vote.ShardSpec`. ``finish_vote`` runs
+    on the whole voted tensor at its owner, inside the exchange."""
 
     mesh: DeviceMesh
     voter: ShardVoter
@@ -92,9 +96,9 @@ class ShardedVote:
     def layout(self) -> tuple[int, int]:
         return self.mesh.shape[0], self.mesh.shape[1]
 
-    def exchange(
-        self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str
-    ) -> tuple[list, list, list, list]:
+    finishes_vote = True
+
+    def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
         its shard of each mean gradient); every parameter takes part, with or without a gradient."""
         if not self.settings_checked:
@@ -118,7 +122,7 @@ class ShardedVote:
             [None if p.grad is None else local_tensor(p.grad) for _, p, _ in averaged],
             [tuple(local_tensor(p).shape) for _, p, _ in averaged],
         )
-        return voted, signs, averaged, means
+        return Exchanged(voted, signs, averaged, means)
 
     def state_dict(self, optimizer: SignVoteOptimizer, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` as DCP needs it: each node's momentum as a DTensor of shape (N, *shape), the
@@ -154,7 +158,10 @@ class ShardedVote:
             stride=torch.empty(shape, device="meta").stride(),
         )
 
-    def local_state(self, optimizer: SignVoteOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def params_changed(self, optimizer: SignVoteOptimizer) -> None:
+        raise ValueError("add param groups before register_fsdp_vote: it lays out the shards of the parameters it sees")
+
+    def load_state_dict(self, optimizer: SignVoteOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The inverse of :meth:`state_dict` for this rank, after checking the saved layout."""
         groups = state_dict.get("param_groups", [])
         info = groups[0].get("signmuon") if groups else None
@@ -175,7 +182,8 @@ class ShardedVote:
             for index, values in state_dict.get("state", {}).items()
         }
         plain = [{k: v for k, v in g.items() if k != "signmuon"} for g in groups]
-        return {"state": state, "param_groups": plain, "signmuon": {"steps_taken": info["steps_taken"]}}
+        local = load_rank_state(optimizer, {"state": state, "param_groups": plain})
+        return {**local, "signmuon": {"steps_taken": info["steps_taken"]}}
 
 
 def _is_shard(value: Any, param: torch.Tensor) -> bool:
@@ -219,7 +227,7 @@ def _check_param(name: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
         )
 
 
-def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mesh: DeviceMesh) -> ShardedVote:
+def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mesh: DeviceMesh) -> ShardedExchange:
     """Make ``optimizer`` (SignMuon, SignumMV, SignSGDMV) vote between nodes the gradient shards
     FSDP2 leaves inside each node; returns what it registered (``optimizer.stats`` counts bytes).
 
@@ -237,7 +245,7 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
         raise ValueError(
             f"{name} already votes by vote_in_step or a DDP hook; create it without them for the FSDP vote"
         )
-    if optimizer.sharded_vote is not None:
+    if isinstance(optimizer.exchange, ShardedExchange):
         raise ValueError(f"register_fsdp_vote was already called for this {name}")
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
         got = f"a {mesh.ndim}-D mesh {mesh.mesh_dim_names}" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
@@ -266,7 +274,11 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
     voted = [p for g in optimizer.param_groups for p in g["params"] if optimizer.votes(p)]
     specs = {}
     for key, p in enumerate(voted):
-        spec = ShardSpec(tuple(p.shape), key, optimizer.owner(p, per_node) if optimizer.needs_whole(p) else None)
+        spec = ShardSpec(
+            tuple(p.shape),
+            key,
+            optimizer.owner(p, per_node) if optimizer.route(p)[1] in optimizer.whole_paths else None,
+        )
         lo, hi = spec.rows(per_node, layout.local_rank)
         if p.dim() == 0 or local_tensor(p).shape[0] != hi - lo:
             raise ValueError(
@@ -278,8 +290,8 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
         for key, value in list(state.items()):
             if isinstance(value, DTensor):
                 state[key] = value.to_local()
-    sharded = ShardedVote(mesh, ShardVoter(layout, optimizer.vote_config, optimizer.stats), specs)
-    optimizer.sharded_vote = sharded
+    sharded = ShardedExchange(mesh, ShardVoter(layout, optimizer.vote_config, optimizer.stats), specs)
+    optimizer.use_exchange(sharded)
     return sharded
 
 
@@ -294,8 +306,8 @@ def check_checkpoint_layout(checkpoint_id: Any, optimizer: SignVoteOptimizer) ->
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    sharded = optimizer.sharded_vote
-    if sharded is None:
+    sharded = optimizer.exchange
+    if not isinstance(sharded, ShardedExchange):
         raise ValueError("check_checkpoint_layout needs an optimizer registered with register_fsdp_vote")
     reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
     saved = [

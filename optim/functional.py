@@ -1,10 +1,9 @@
 """The optimisation math as small pure functions, in the shape of Muon's ``muon_update``.
 
 Each takes tensors and settings and returns a direction (advancing a momentum buffer in place
-where it has one); nothing here communicates or keeps state. The DDP hooks, ``vote_in_step``,
-the backward reducer and the node-aware vote all reach them through the optimizers' one
-``direction`` method, on whole parameters or on any tensor the math allows (a shard of a
-Signum-voted tensor, a whole matrix gathered for Newton–Schulz).
+where it has one); nothing here communicates or keeps state. The optimizers call them from
+the methods docs/design.md lists under "A new optimizer", on whole parameters or on any tensor
+the math allows (a shard of a Signum-voted tensor, a whole matrix gathered for Newton–Schulz).
 
 Per worker, before the vote (docs/design.md, "The math")::
 

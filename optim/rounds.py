@@ -38,7 +38,7 @@ from signmuon.comm_hooks.dist import (
 )
 from signmuon.comm_hooks.vote import error_buffer_sizes, gather_in_node, scaled_sign_allreduce
 
-from .sign_vote import local_tensor
+from .params import local_tensor
 
 __all__ = [
     "OuterStep",

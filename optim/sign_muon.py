@@ -31,7 +31,8 @@ from signmuon.comm_hooks.dist import NonFiniteError
 
 from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction, step_size
 from .newton_schulz import MUON_COEFFICIENTS, NS_PRECISIONS
-from .sign_vote import SignVoteOptimizer, state_dtype
+from .params import state_dtype
+from .sign_vote import SignVoteOptimizer
 
 __all__ = ["NON_MATRIX_PATHS", "NS_DTYPES", "SignMuon", "parameter_path"]
 
@@ -101,6 +102,8 @@ class SignMuon(SignVoteOptimizer):
     GradScaler unscaling or averaging over accumulated micro-batches (any positive rescaling of
     ``.grad`` between backward and ``step()``) changes nothing.
     """
+
+    whole_paths = ("matrix",)
 
     def __init__(
         self,
@@ -200,14 +203,11 @@ class SignMuon(SignVoteOptimizer):
         self.ns_seconds += time.perf_counter() - start
         return result
 
-    def needs_whole(self, param: torch.Tensor) -> bool:
-        return self._route(param)[1] == "matrix"
-
     @torch.no_grad()
     def whole_direction(self, param: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of the whole matrix's direction (:func:`~signmuon.optim.functional.orthogonalize`)
         on the matrix path; only the signs of the result matter."""
-        group, path = self._route(param)
+        group, path = self.route(param)
         if path != "matrix":
             return direction
         return self._newton_schulz(group, orthogonalize, direction)

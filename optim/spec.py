@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from .sign_muon import SignMuon
-from .sign_vote import SignSGDMV, SignumMV, SignVoteOptimizer
+from .sign_vote import SignVoteOptimizer
+from .signum import SignSGDMV, SignumMV
 
 __all__ = ["SIGN_OPTIMIZERS", "sign_optimizer_from_spec"]
 

@@ -202,3 +202,46 @@ def test_no_device_argument_defaults_to_the_cpu():
                     if "device" in arg.arg and isinstance(default, ast.Constant) and default.value == "cpu":
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg}='cpu')")
     assert not offenders, offenders
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in LIBRARY}
+    return {name: {m for _, m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_library_modules_import_each_other():
+    """Every import counts, ``TYPE_CHECKING`` ones too: a cycle hidden from the interpreter is
+    still two modules that cannot be read apart."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles(_import_graph()), _cycles(_import_graph())

@@ -126,3 +126,17 @@ def test_clipping_shrinks_the_bare_hooks_sgd_step(results):
     unclipped, clipped = results[0][1]["hook+SGD"]
     moved = lambda run: sum((a - b).abs().sum() for a, b in zip(run[-1], tiny_net().parameters()))  # noqa: E731
     assert moved(clipped) < 0.1 * moved(unclipped)
+
+
+def test_the_exchange_is_chosen_once():
+    """An optimizer votes through one exchange: the group is set before the hook is chosen, and a
+    second entry point (or a group set after) raises instead of voting where no one listens."""
+    opt = SignumMV(tiny_net().parameters(), lr=0.1)
+    opt.register_backward_reducer()
+    assert opt.has_comm_hook and type(opt.exchange).__name__ == "HookExchange"
+    state = opt.comm_state
+    assert opt.comm_state is state, "asking again gives the same hook"
+    with pytest.raises(RuntimeError, match="before HookExchange"):
+        opt.process_group = None
+    with pytest.raises(RuntimeError, match="already votes through HookExchange"):
+        opt.use_exchange(type(opt.exchange)(state))

@@ -149,7 +149,7 @@ def _bytes_worker(rank, world_size, per_node, kind):
     opt = _optimizer(kind, net.parameters(), VoteConfig())
     register_fsdp_vote(net, opt, mesh)
     _train(net, opt, rank, steps=1)
-    sharded = opt.sharded_vote
+    sharded = opt.exchange
     local = rank % per_node
     voted = 0
     for p, spec in sharded.specs.items():
@@ -254,6 +254,8 @@ def _refusal_worker(rank, world_size):
     late.add_param_group({"params": list(registered.parameters())[2:]})
     register_fsdp_vote(registered, late, mesh)
     errors["late_group"] = capture(lambda: late.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}))
+    errors["groups_after_late"] = len(late.param_groups)
+    errors["hook_after_fsdp"] = capture(lambda: late.comm_state)
     hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     hsdp = tiny_net()
     fully_shard(hsdp, mesh=hsdp_mesh)
@@ -278,6 +280,8 @@ def test_refusals_name_what_to_do():
     assert "not in the optimizer" in errors["missing"]
     assert "not sharded" in errors["unsharded"]
     assert "before register_fsdp_vote" in errors["late_group"]
+    assert errors["groups_after_late"] == 2, "the refused group is not added"
+    assert "already votes through ShardedExchange" in errors["hook_after_fsdp"]
 
 
 def _checkpoint_worker(rank, world_size, path, per_node, phase):
