@@ -63,7 +63,7 @@ def _replica(replica: int, lighthouse: str, config: LostNodeConfig, out_dir: str
     from torchft import Manager, ProcessGroupGloo
 
     from signmuon.integrations.torchft import FaultTolerantRounds
-    from signmuon.optim import DPPFAverager, OuterStep
+    from signmuon.optim import LocalStepAverager, OuterStep
 
     logging.getLogger("torchft").setLevel(logging.ERROR)  # it logs every quorum and commit
     torch.set_num_threads(1)
@@ -89,7 +89,7 @@ def _replica(replica: int, lighthouse: str, config: LostNodeConfig, out_dir: str
         use_async_quorum=False,
         init_sync=False,
     )
-    averager = DPPFAverager(
+    averager = LocalStepAverager(
         config.period, outer=OuterStep.diloco(lr=0.7, momentum=0.5), pull=1.0, module=model, process_group=pg
     )
     if ready is not None:

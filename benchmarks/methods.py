@@ -23,7 +23,7 @@ from signmuon.comm_hooks import (
     sign_vote_hook,
 )
 from signmuon.optim import (
-    DPPFAverager,
+    LocalStepAverager,
     MuonWithAdamW,
     OuterStep,
     SignMuon,
@@ -116,7 +116,7 @@ class Setup:
     """What the training loop steps."""
     stats: CommStats
     """Counts the bytes this rank sends."""
-    averager: DPPFAverager | None = None
+    averager: LocalStepAverager | None = None
     """For local SGD / DPPF: evaluation uses its consensus model (the workers' average)."""
     votes: bool = False
     """Whether the gradients go through our vote, whose pack / vote / unpack / wait are timed."""
@@ -346,7 +346,7 @@ def _fsdp_rounds(period: int, pseudo_gradient: str = "mean") -> Method:
         mesh = node_mesh(config.ranks_per_node, device_type=device.type)
         shard_blocks(net, mesh["local"])
         opt = _adamw(net.parameters(), config.lr_scale)
-        averager = DPPFAverager(
+        averager = LocalStepAverager(
             period,
             pull=1.0,
             outer=_outer_step(config, pseudo_gradient),
@@ -376,7 +376,7 @@ def _local_sgd(period: int, pull: float = 1.0, push: float = 0.0) -> Method:
     def build(net: nn.Module, config: TrainConfig) -> Setup:
         model = _ddp(net)
         pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
-        averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net)
+        averager = LocalStepAverager(period, pull=pull_push[0], push=pull_push[1], module=net)
         opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05 * config.lr_scale, momentum=0.9), averager)
         return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)
 
@@ -408,7 +408,9 @@ def _rounds(
         layout = layout if layout is not None and layout.nodes > 1 else None
         pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
         outer = None if pseudo_gradient is None else _outer_step(config, pseudo_gradient)
-        averager = DPPFAverager(period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout)
+        averager = LocalStepAverager(
+            period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout
+        )
         params = muon_param_groups(net) if inner is _muon_adamw else model.parameters()
         opt = local_sgd(model, inner(params, config.lr_scale), averager)
         return Setup(model=model, optimizer=opt, stats=averager.stats, averager=averager)

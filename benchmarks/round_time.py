@@ -11,7 +11,7 @@ import torch
 
 from signmuon.benchmarks.cli import command_parser, positive_int
 from signmuon.benchmarks.launch import median_seconds
-from signmuon.optim.rounds import combine_pseudo_gradients, scale_blocks
+from signmuon.optim.rounds.pseudo_gradients import combine_pseudo_gradients, scale_blocks
 
 
 def measure(entries: int, tensors: int, block: int, rule: str, repeats: int, device: torch.device) -> float:

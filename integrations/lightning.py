@@ -31,7 +31,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("signmuon.integrations.lightning needs Lightning: pip install 'signmuon[lightning]'") from error
 
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
-from signmuon.optim import DPPFAverager, SignVoteOptimizer, register_local_sgd_hook
+from signmuon.optim import LocalStepAverager, SignVoteOptimizer, register_local_sgd_hook
 
 __all__ = ["SignDDPStrategy"]
 
@@ -47,7 +47,7 @@ class SignDDPStrategy(DDPStrategy):
             That optimizer applies the vote as it finds it in ``.grad``, so Lightning's
             ``gradient_clip_val`` would shrink every step: refused together (use ``SignumMV``
             / ``SignSGDMV`` instead, whose steps take the sign and ignore clipping).
-        averager: a :class:`~signmuon.optim.DPPFAverager`: local SGD with pull and push. After
+        averager: a :class:`~signmuon.optim.LocalStepAverager`: local SGD with pull and push. After
             its warm-up no gradient leaves a worker; every optimizer step ends with
             ``averager.average_parameters`` (a round every ``period`` steps).
         **kwargs: everything else ``DDPStrategy`` takes (``process_group_backend``, ``timeout``,
@@ -61,18 +61,18 @@ class SignDDPStrategy(DDPStrategy):
     """
 
     def __init__(
-        self, *, comm_state: SignVoteState | None = None, averager: DPPFAverager | None = None, **kwargs: Any
+        self, *, comm_state: SignVoteState | None = None, averager: LocalStepAverager | None = None, **kwargs: Any
     ) -> None:
         given = sorted(set(kwargs) & set(_FOREIGN))
         if given:
             raise ValueError(
                 f"SignDDPStrategy sets the gradient reduction itself; {given} would compete with it: pass "
-                "comm_state=SignVoteState(...), averager=DPPFAverager(...), or a SignMuon from configure_optimizers"
+                "comm_state=SignVoteState(...), averager=LocalStepAverager(...), or a SignMuon from configure_optimizers"
             )
         if comm_state is not None and not isinstance(comm_state, SignVoteState):
             raise TypeError(f"comm_state must be a SignVoteState, got {type(comm_state).__name__}")
-        if averager is not None and not isinstance(averager, DPPFAverager):
-            raise TypeError(f"averager must be a DPPFAverager, got {type(averager).__name__}")
+        if averager is not None and not isinstance(averager, LocalStepAverager):
+            raise TypeError(f"averager must be a LocalStepAverager, got {type(averager).__name__}")
         if comm_state is not None and averager is not None:
             raise ValueError("comm_state and averager are two gradient reductions for one model; pass one")
         super().__init__(**kwargs)

@@ -2,7 +2,7 @@
 
 torchft's ``Manager`` keeps a quorum of replica groups through a lighthouse and reconfigures
 one process group over the replicas of each quorum. :class:`FaultTolerantRounds` runs a
-:class:`~signmuon.optim.DPPFAverager`'s rounds (DiLoCo, DPPF, one-bit rounds) over that group:
+:class:`~signmuon.optim.LocalStepAverager`'s rounds (DiLoCo, DPPF, one-bit rounds) over that group:
 
 - a round that fails (a replica died before or during it) is rolled back on every survivor:
   parameters and consensus as before the round. The survivors keep their local steps, and the
@@ -20,12 +20,12 @@ would carry the whole model on its own group: correct, but L times the bytes. Us
 
     from torchft import Manager, ProcessGroupGloo
     from signmuon.integrations.torchft import FaultTolerantRounds
-    from signmuon.optim import DPPFAverager, OuterStep
+    from signmuon.optim import LocalStepAverager, OuterStep
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=10))   # how long a dead peer can stall a round
     manager = Manager(pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None,
                       use_async_quorum=False, replica_id=..., lighthouse_addr=..., ...)
-    averager = DPPFAverager(period=8, outer=OuterStep.diloco(), module=model, process_group=pg)
+    averager = LocalStepAverager(period=8, outer=OuterStep.diloco(), module=model, process_group=pg)
     rounds = FaultTolerantRounds(manager, averager, optimizer)   # joins (or heals) now
     while rounds.steps_done < total_steps:
         loss_fn(model(x), y).backward()
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from signmuon.comm_hooks.dist import NonFiniteError, SettingsMismatchError, VoteMismatchError
-from signmuon.optim import DPPFAverager
+from signmuon.optim import LocalStepAverager
 
 __all__ = ["FaultTolerantRounds"]
 
@@ -64,7 +64,7 @@ _RUN_ERRORS = (NonFiniteError, SettingsMismatchError, VoteMismatchError)
 
 
 class FaultTolerantRounds:
-    """A :class:`~signmuon.optim.DPPFAverager`'s rounds under a torchft ``Manager``.
+    """A :class:`~signmuon.optim.LocalStepAverager`'s rounds under a torchft ``Manager``.
 
     Args:
         manager: torchft's ``Manager``, built with ``use_async_quorum=False`` over the process
@@ -76,10 +76,10 @@ class FaultTolerantRounds:
     replica loaded a survivor's state), ``last_error`` (what failed the last failed round).
     """
 
-    def __init__(self, manager: Any, averager: DPPFAverager, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(averager, DPPFAverager) or averager.consensus is None:
+    def __init__(self, manager: Any, averager: LocalStepAverager, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(averager, LocalStepAverager) or averager.consensus is None:
             raise ValueError(
-                "FaultTolerantRounds needs a DPPFAverager with an outer step (outer=OuterStep(...), module=model): "
+                "FaultTolerantRounds needs a LocalStepAverager with an outer step (outer=OuterStep(...), module=model): "
                 "a replica rejoins from its consensus"
             )
         if averager.layout is not None:

@@ -1,7 +1,6 @@
 """Optimisation math: the pure functions (``functional``), Newton–Schulz, the sign-vote
-optimizers (SignMuon, Signum-MV, signSGD-MV), the Muon baseline and the DPPF averager."""
+optimizers (SignMuon, Signum-MV, signSGD-MV), the Muon baseline and local-step rounds."""
 
-from .dppf import DPPFAverager
 from .fsdp import check_checkpoint_layout, node_mesh, register_fsdp_vote
 from .functional import (
     MUON_LR_RATIO,
@@ -16,8 +15,7 @@ from .functional import (
 )
 from .muon_baseline import MuonWithAdamW
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
-from .post_local_sgd import local_sgd, register_local_sgd_hook
-from .rounds import OuterStep
+from .rounds import DPPFAverager, LocalStepAverager, OuterStep, local_sgd, register_local_sgd_hook
 from .routing import HEAD_NAMES, muon_param_groups
 from .sign_muon import SignMuon
 from .sign_vote import SignVoteOptimizer
@@ -28,6 +26,7 @@ from .valley import ValleyResult, inverse_mean_valley
 __all__ = [
     "DPPFAverager",
     "HEAD_NAMES",
+    "LocalStepAverager",
     "MUON_COEFFICIENTS",
     "MUON_LR_RATIO",
     "MUON_UPDATE_RMS",

@@ -12,7 +12,7 @@ from torch import nn
 from signmuon.comm_hooks import NodeLayout, SignVoteState, VoteConfig, node_layout, sign_muon_hook, sign_vote_hook
 from signmuon.comm_hooks.dist import CommStats, group_device
 from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
-from signmuon.optim import DPPFAverager, OuterStep, SignMuon, SignSGDMV, SignumMV
+from signmuon.optim import LocalStepAverager, OuterStep, SignMuon, SignSGDMV, SignumMV
 
 from .gpu_world import gpu_world, on_device
 from .harness import run_distributed
@@ -200,7 +200,7 @@ def test_rounds_keep_their_collectives_on_the_device(outer):
     with gpu_world(4) as world:
         model = on_device(mlp, world.device)
         push = 0.1 if outer is None else 0.0
-        averager = DPPFAverager(period=1, pull=0.5, push=push, module=model, outer=outer)
+        averager = LocalStepAverager(period=1, pull=0.5, push=push, module=model, outer=outer)
         for _ in range(3):
             _with_grads(model)
             averager.average_parameters(model.parameters())
@@ -213,7 +213,7 @@ def test_the_first_outer_round_checks_its_start_on_the_device(rule):
     called here directly: in this world every rank reads as if it had been checked already."""
     with gpu_world(4) as world:
         model = on_device(mlp, world.device)
-        averager = DPPFAverager(
+        averager = LocalStepAverager(
             period=1, module=model, outer=OuterStep.diloco(pseudo_gradient=rule), track_distances=False
         )
         _with_grads(model)
@@ -227,7 +227,7 @@ def test_node_aware_rounds_keep_their_collectives_on_the_device():
         model = on_device(mlp, world.device)
         layout = node_layout(None, 2)
         assert isinstance(layout, NodeLayout)
-        averager = DPPFAverager(
+        averager = LocalStepAverager(
             period=1, module=model, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), layout=layout
         )
         for _ in range(2):

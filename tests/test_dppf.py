@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from signmuon.optim import DPPFAverager, inverse_mean_valley
+from signmuon.optim import LocalStepAverager, inverse_mean_valley
 from tests.harness import run_distributed
 
 
@@ -24,7 +24,7 @@ def _rank_model(rank: int) -> nn.Module:
 def _round_worker(rank, world_size, pull, push, distance):
     model = _rank_model(rank)
     before = [p.detach().clone() for p in model.parameters()]
-    averager = DPPFAverager(period=3, warmup_steps=2, pull=pull, push=push, distance=distance, module=model)
+    averager = LocalStepAverager(period=3, warmup_steps=2, pull=pull, push=push, distance=distance, module=model)
     for _ in range(2):  # warm-up steps: nothing happens
         averager.average_parameters(model.parameters())
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -32,7 +32,7 @@ def _round_worker(rank, world_size, pull, push, distance):
     after = [p.detach().clone() for p in model.parameters()]
     averager.average_parameters(model.parameters())  # step 3: no round
     state = averager.state_dict()
-    restored = DPPFAverager(period=3, warmup_steps=2, pull=pull, push=push, distance=distance)
+    restored = LocalStepAverager(period=3, warmup_steps=2, pull=pull, push=push, distance=distance)
     restored.load_state_dict(state)
     return dict(
         before=before,
@@ -81,7 +81,9 @@ def _periodic_worker(rank, world_size, use_dppf):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    averager = DPPFAverager(period=2, warmup_steps=1, pull=1.0, push=0.0) if use_dppf else PeriodicModelAverager(2, 1)
+    averager = (
+        LocalStepAverager(period=2, warmup_steps=1, pull=1.0, push=0.0) if use_dppf else PeriodicModelAverager(2, 1)
+    )
     gen = torch.Generator().manual_seed(rank)
     for _ in range(7):
         opt.zero_grad()
@@ -110,7 +112,7 @@ def _quadratic_run(rank, pull, push, rounds):
     x = torch.nn.Parameter(torch.ones(50))
     x.grad = torch.zeros(50)
     gen = torch.Generator().manual_seed(rank + 1)
-    averager = DPPFAverager(period=4, pull=pull, push=push)
+    averager = LocalStepAverager(period=4, pull=pull, push=push)
     opt = torch.optim.SGD([x], lr=0.01)
     distances = []
     for _ in range(4 * rounds):
@@ -195,7 +197,7 @@ def _bad_worker(rank, world_size):
         dict(period=2, distance="layer"),
     ]:
         try:
-            DPPFAverager(**kwargs)
+            LocalStepAverager(**kwargs)
             errors.append(None)
         except ValueError as error:
             errors.append(str(error))
@@ -211,3 +213,23 @@ def test_bad_settings():
         inverse_mean_valley(_Quadratic(), lambda o, y: o.sum(), [(torch.zeros(1), torch.zeros(1))], directions=0)
     with pytest.raises(ValueError, match="empty"):
         inverse_mean_valley(_Quadratic(), lambda o, y: o.sum(), [])
+
+
+def _old_name_worker(rank, world_size):
+    import warnings
+
+    from signmuon.optim import DPPFAverager
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = DPPFAverager(period=4, pull=0.25, push=0.1)
+    new = LocalStepAverager(period=4, pull=0.25, push=0.1)
+    same = repr(old.state_dict()) == repr(new.state_dict())  # repr: the NaN distances compare equal
+    return isinstance(old, LocalStepAverager), same, [(w.category.__name__, str(w.message)) for w in caught]
+
+
+def test_the_old_name_warns_and_is_the_same_averager():
+    """DPPFAverager works for one release (0.2): the same class, with a DeprecationWarning naming the new one."""
+    is_engine, same, caught = run_distributed(_old_name_worker, 2)[0]
+    assert is_engine and same
+    assert [c for c, _ in caught] == ["DeprecationWarning"] and "LocalStepAverager" in caught[0][1]

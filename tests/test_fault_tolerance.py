@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from signmuon.optim import DPPFAverager, OuterStep
+from signmuon.optim import LocalStepAverager, OuterStep
 from tests.harness import capture, flat_params, rounds_batch, rounds_inner, rounds_loss, rounds_model, run_distributed
 
 H = 3  # local steps per round
@@ -78,7 +78,7 @@ def _fault_tolerant_replica(replica, local_rank, per_node, lighthouse, out_dir, 
     )
     _OuterThatMayDie.dies = replica == 1 and life == "first"
     outer = OuterStep(optimizer=functools.partial(_OuterThatMayDie, lr=0.7, momentum=0.9, nesterov=True))
-    averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model, process_group=pg)
+    averager = LocalStepAverager(period=H, pull=1.0, outer=outer, module=model, process_group=pg)
     if life == "rejoined":
         rejoiner_up.set()
     else:
@@ -221,12 +221,14 @@ def _refused_rounds_worker(rank, world_size):
 
     model = rounds_model()
     inner = rounds_inner(model)
-    good = DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
+    good = LocalStepAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
     return (
-        capture(lambda: FaultTolerantRounds(None, DPPFAverager(period=H, module=model), inner)),
+        capture(lambda: FaultTolerantRounds(None, LocalStepAverager(period=H, module=model), inner)),
         capture(
             lambda: FaultTolerantRounds(
-                None, DPPFAverager(period=H, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model), inner
+                None,
+                LocalStepAverager(period=H, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model),
+                inner,
             )
         ),
         capture(lambda: FaultTolerantRounds(object(), good, inner)),

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.comm_hooks import SignVoteState, VoteConfig, check_replicas, majority_vote, sign_vote_hook
 from signmuon.comm_hooks.dist import settings_digest
 from signmuon.integrations.deepspeed import SignCompressedBackend
-from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV
+from signmuon.optim import LocalStepAverager, SignMuon, SignSGDMV, SignumMV
 from tests.harness import batch, capture, run_distributed, tiny_net
 
 # --- sizes that differ between ranks ---------------------------------------------------------
@@ -56,13 +56,13 @@ def _dppf_shape_worker(rank, world_size):
     torch.manual_seed(0)
     net = nn.Linear(4, 3 + rank)  # one rank's model is shaped differently
     net(torch.randn(2, 4)).sum().backward()
-    averager = DPPFAverager(period=1, pull=0.5)
+    averager = LocalStepAverager(period=1, pull=0.5)
     return capture(lambda: averager.average_parameters(net.parameters()))
 
 
 def test_dppf_with_a_differently_shaped_model_raises_on_every_rank():
     for error in run_distributed(_dppf_shape_worker, 2):
-        assert error.startswith("VoteMismatchError") and "DPPF round" in error and "layout" in error
+        assert error.startswith("VoteMismatchError") and "local-step round" in error and "layout" in error
 
 
 def _replicas_count_worker(rank, world_size):
@@ -132,7 +132,7 @@ def test_vote_in_step_with_rank_dependent_unused_parameters_keeps_replicas(world
 def _dppf_unused_worker(rank, world_size):
     net = _TwoHeads()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    averager = DPPFAverager(period=1, pull=1.0)
+    averager = LocalStepAverager(period=1, pull=1.0)
     x, y = batch(rank, 0)
     nn.functional.cross_entropy(net(x, rank == 1), y).backward()
     opt.step()
@@ -159,7 +159,7 @@ def _dppf_nan_worker(rank, world_size, nonfinite):
     if rank == 1:
         with torch.no_grad():
             net.weight[0, 0] = float("nan")
-    averager = DPPFAverager(period=1, pull=0.5, push=0.01, nonfinite=nonfinite)
+    averager = LocalStepAverager(period=1, pull=0.5, push=0.01, nonfinite=nonfinite)
     error = capture(lambda: averager.average_parameters(net.parameters()))
     finite = all(bool(torch.isfinite(p).all()) for p in net.parameters())
     return error, finite, averager.stats.skipped, averager.rounds
@@ -352,7 +352,7 @@ def _weights_only_worker(rank, world_size):
         buffer.seek(0)
         opt.load_state_dict(torch.load(buffer, weights_only=True))
         loaded.append(type(opt).__name__)
-    for state in (SignVoteState(momentum=0.9).state_dict(), DPPFAverager(period=2, push=0.1).state_dict()):
+    for state in (SignVoteState(momentum=0.9).state_dict(), LocalStepAverager(period=2, push=0.1).state_dict()):
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)
@@ -388,7 +388,7 @@ def test_sparse_and_empty_inputs_give_clear_errors():
         majority_vote(csr)
     for push in (math.inf, math.nan):
         with pytest.raises(ValueError, match="push"):
-            DPPFAverager(period=1, push=push)
+            LocalStepAverager(period=1, push=push)
 
 
 def _backend_worker(rank, world_size):

@@ -68,7 +68,7 @@ def _lightning(rank, world_size):
     os.environ["NODE_RANK"] = "0"
     from signmuon.comm_hooks import SignVoteState
     from signmuon.integrations.lightning import SignDDPStrategy
-    from signmuon.optim import DPPFAverager, SignMuon, SignumMV
+    from signmuon.optim import LocalStepAverager, SignMuon, SignumMV
 
     out = {}
     for name, make in {
@@ -91,7 +91,7 @@ def _lightning(rank, world_size):
             rank, lambda ps: torch.optim.SGD(ps, lr=0.02), SignDDPStrategy(comm_state=SignVoteState()), 1.0
         )
     )
-    averager = DPPFAverager(period=2, pull=0.5, push=0.01)
+    averager = LocalStepAverager(period=2, pull=0.5, push=0.01)
     module = _lightning_fit(rank, lambda ps: torch.optim.SGD(ps, lr=0.05), SignDDPStrategy(averager=averager))
     out["dppf"] = dict(
         rounds=averager.rounds, sent=averager.stats.bytes_sent, params=[p.detach().clone() for p in module.parameters()]
@@ -140,7 +140,7 @@ def test_lightning_strategy_refuses_lightnings_own_hook_arguments():
         SignDDPStrategy(model_averaging_period=4)
     with pytest.raises(TypeError, match="SignVoteState"):
         SignDDPStrategy(comm_state=object())
-    with pytest.raises(TypeError, match="DPPFAverager"):
+    with pytest.raises(TypeError, match="LocalStepAverager"):
         SignDDPStrategy(averager=object())
 
 

@@ -21,7 +21,7 @@ from signmuon.comm_hooks import (
     majority_vote,
     sign_vote_hook,
 )
-from signmuon.optim import DPPFAverager, SignMuon
+from signmuon.optim import LocalStepAverager, SignMuon
 from tests.harness import batch, capture, run_distributed, tiny_net
 
 # --- non-finite gradients ------------------------------------------------------------------
@@ -174,7 +174,7 @@ def _mismatch_worker(rank, world_size):
     opt = SignMuon(net.parameters(), lr=0.01, ns_steps=5 + rank, vote_in_step=True)
     nn.functional.cross_entropy(net(x), y).backward()
     errors["signmuon"] = capture(opt.step)
-    averager = DPPFAverager(period=4 + rank, pull=0.5)
+    averager = LocalStepAverager(period=4 + rank, pull=0.5)
     errors["dppf"] = capture(lambda: averager.average_parameters(net.parameters()))
     return errors
 
@@ -242,7 +242,7 @@ def _resume_worker(rank, world_size, steps, load, save, tie="exact"):
     state = SignVoteState(momentum=0.9, start_iter=3, vote=VoteConfig(tie=tie, seed=5))
     model.register_comm_hook(state, sign_vote_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    averager = DPPFAverager(period=3, warmup_steps=1, pull=0.5, push=0.01)
+    averager = LocalStepAverager(period=3, warmup_steps=1, pull=0.5, push=0.01)
     start = 0
     if load:
         saved = torch.load(f"{load}.rank{rank}", weights_only=False)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from signmuon.comm_hooks import VoteConfig, node_layout
-from signmuon.optim import DPPFAverager, OuterStep, local_sgd
+from signmuon.optim import LocalStepAverager, OuterStep, local_sgd
 from tests.harness import (
     capture,
     compressed_allreduce_reference,
@@ -113,7 +113,7 @@ def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, 
         scale_block=block,
         scale_bits=scale_bits,
     )
-    averager = DPPFAverager(period=H, pull=pull, push=push, outer=outer, module=model)
+    averager = LocalStepAverager(period=H, pull=pull, push=push, outer=outer, module=model)
     history = []
     for step in range(steps):
         inner.zero_grad()
@@ -190,7 +190,7 @@ def _round_bytes(rank, combine, tie, block=0, scale_bits=32):
         scale_block=block,
         scale_bits=scale_bits,
     )
-    averager = DPPFAverager(period=1, outer=outer, module=model, track_distances=False)
+    averager = LocalStepAverager(period=1, outer=outer, module=model, track_distances=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     with torch.no_grad():
@@ -251,7 +251,7 @@ def _resume_worker(rank, world_size, combine, path):
 
     def build():
         model = rounds_model()
-        averager = DPPFAverager(
+        averager = LocalStepAverager(
             period=H, pull=0.7, push=0.01, outer=OuterStep.diloco(pseudo_gradient=combine), module=model
         )
         return model, rounds_inner(model), averager
@@ -320,7 +320,7 @@ def _node_worker(rank, world_size, combine, block=0, scale_bits=32):
             optimizer=outer.optimizer, pseudo_gradient=combine, vote=VoteConfig(tie="exact"), scale_block=block,
             scale_bits=scale_bits,
         )  # fmt: skip
-    averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model.module, layout=layout)
+    averager = LocalStepAverager(period=H, pull=1.0, outer=outer, module=model.module, layout=layout)
     opt = local_sgd(model, rounds_inner(model), averager)
     history = []
     for step in range(STEPS):
@@ -553,10 +553,12 @@ def _fsdp_rounds_worker(rank, world_size, combine="mean", block=0, scale_bits=32
     inner = rounds_inner(model)
     refused = (
         capture(
-            lambda: DPPFAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
+            lambda: LocalStepAverager(period=H, pull=1.0, outer=OuterStep.diloco(), module=model)
         ),  # WORLD: 2 shards each
         capture(
-            lambda: DPPFAverager(period=H, pull=0.5, push=0.05, module=model, process_group=mesh["node"].get_group())
+            lambda: LocalStepAverager(
+                period=H, pull=0.5, push=0.05, module=model, process_group=mesh["node"].get_group()
+            )
         ),
     )
     outer = OuterStep.diloco()
@@ -568,7 +570,7 @@ def _fsdp_rounds_worker(rank, world_size, combine="mean", block=0, scale_bits=32
             scale_block=block,
             scale_bits=scale_bits,
         )
-    averager = DPPFAverager(period=H, pull=1.0, outer=outer, module=model, process_group=mesh["node"].get_group())
+    averager = LocalStepAverager(period=H, pull=1.0, outer=outer, module=model, process_group=mesh["node"].get_group())
     history = []
     for step in range(STEPS):
         inner.zero_grad()

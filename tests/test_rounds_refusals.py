@@ -6,16 +6,16 @@ import torch
 from torch import nn
 
 from signmuon.comm_hooks import VoteMismatchError, node_layout
-from signmuon.optim import DPPFAverager, OuterStep
+from signmuon.optim import LocalStepAverager, OuterStep
 from tests.harness import capture, rounds_model, run_distributed
 
 
 def _bad_outer_worker(rank, world_size):
     model = rounds_model()
-    averager = DPPFAverager(period=2, outer=OuterStep.diloco(), module=model)
-    other_rule = DPPFAverager(period=2, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model)
+    averager = LocalStepAverager(period=2, outer=OuterStep.diloco(), module=model)
+    other_rule = LocalStepAverager(period=2, outer=OuterStep.diloco(pseudo_gradient="scaled_sign"), module=model)
     return (
-        capture(lambda: DPPFAverager(period=2, outer=OuterStep(optimizer=lambda params: params), module=model)),
+        capture(lambda: LocalStepAverager(period=2, outer=OuterStep(optimizer=lambda params: params), module=model)),
         capture(lambda: averager.average_parameters(list(model.parameters())[:2])),
         capture(lambda: other_rule.load_state_dict(averager.state_dict())),
     )
@@ -34,9 +34,9 @@ def test_bad_outer_settings():
             with pytest.raises(ValueError, match=f"pseudo_gradient='{rule}' has none"):
                 OuterStep(optimizer=torch.optim.SGD, pseudo_gradient=rule, **setting)
     with pytest.raises(ValueError, match="module="):
-        DPPFAverager(period=2, outer=OuterStep.diloco())
+        LocalStepAverager(period=2, outer=OuterStep.diloco())
     with pytest.raises(ValueError, match="OuterStep"):
-        DPPFAverager(period=2, outer=torch.optim.SGD, module=rounds_model())
+        LocalStepAverager(period=2, outer=torch.optim.SGD, module=rounds_model())
     not_an_optimizer, other_params, other_rule = run_distributed(_bad_outer_worker, 1)[0]
     assert "not a torch.optim.Optimizer" in not_an_optimizer
     assert "same parameters" in other_params
@@ -46,30 +46,32 @@ def test_bad_outer_settings():
 def _unequal_start_worker(rank, world_size):
     torch.manual_seed(rank)  # no DDP: every rank starts elsewhere
     model = nn.Linear(3, 2)
-    averager = DPPFAverager(period=1, outer=OuterStep.diloco(), module=model)
+    averager = LocalStepAverager(period=1, outer=OuterStep.diloco(), module=model)
     return capture(lambda: averager.average_parameters(model.parameters()))
 
 
 def test_an_unequal_start_raises_on_every_rank():
     for error in run_distributed(_unequal_start_worker, 2):
-        assert error is not None and "build DPPFAverager after DDP" in error and VoteMismatchError.__name__ in error
+        assert (
+            error is not None and "build LocalStepAverager after DDP" in error and VoteMismatchError.__name__ in error
+        )
 
 
 def _outer_settings_worker(rank, world_size):
     model = rounds_model()
-    same = DPPFAverager(
+    same = LocalStepAverager(
         period=1, outer=OuterStep(optimizer=lambda params: torch.optim.SGD(params, lr=1.0)), module=model
     )
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     same.average_parameters(model.parameters())  # a lambda is described alike on every rank
-    differing = DPPFAverager(period=1, outer=OuterStep.diloco(lr=0.7 if rank == 0 else 0.5), module=model)
+    differing = LocalStepAverager(period=1, outer=OuterStep.diloco(lr=0.7 if rank == 0 else 0.5), module=model)
     scale_bits = OuterStep(
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
         pseudo_gradient="sign_vote_ef",
         scale_bits=8 if rank == 0 else 16,
     )
-    other_bits = DPPFAverager(period=1, outer=scale_bits, module=model)
+    other_bits = LocalStepAverager(period=1, outer=scale_bits, module=model)
     return capture(lambda: differing.average_parameters(model.parameters())), capture(
         lambda: other_bits.average_parameters(model.parameters())
     )
@@ -82,7 +84,7 @@ def test_ranks_with_different_outer_steps_raise_on_every_rank():
 
 
 def _one_node_worker(rank, world_size):
-    return capture(lambda: DPPFAverager(period=2, layout=node_layout(None, 2)))
+    return capture(lambda: LocalStepAverager(period=2, layout=node_layout(None, 2)))
 
 
 def test_node_aware_rounds_need_two_nodes():
@@ -104,7 +106,7 @@ def _blocks_one_by_one(sizes, lo, hi, block):
 
 
 def test_scale_blocks_are_the_blocks_one_by_one_as_rows_of_a_few_runs():
-    from signmuon.optim.rounds import scale_blocks
+    from signmuon.optim.rounds.pseudo_gradients import scale_blocks
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(300):

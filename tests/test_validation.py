@@ -16,7 +16,15 @@ from signmuon.comm_hooks import (
 )
 from signmuon.comm_hooks.kernels.torch_ops import vote_packed
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
-from signmuon.optim import DPPFAverager, SignMuon, SignSGDMV, SignumMV, inverse_mean_valley, lr_from_muon, newton_schulz
+from signmuon.optim import (
+    LocalStepAverager,
+    SignMuon,
+    SignSGDMV,
+    SignumMV,
+    inverse_mean_valley,
+    lr_from_muon,
+    newton_schulz,
+)
 from tests.harness import run_distributed
 
 
@@ -115,12 +123,17 @@ CASES = [
         "initial_distance",
     ),
     ("inverse_mean_valley batches", lambda: inverse_mean_valley(_net, _loss, []), ValueError, "batches"),
-    ("DPPFAverager period", lambda: DPPFAverager(period=0), ValueError, "period"),
-    ("DPPFAverager warmup_steps", lambda: DPPFAverager(period=1, warmup_steps=-1), ValueError, "warmup_steps"),
-    ("DPPFAverager pull", lambda: DPPFAverager(period=1, pull=1.5), ValueError, "pull"),
-    ("DPPFAverager push", lambda: DPPFAverager(period=1, push=-1), ValueError, "push"),
-    ("DPPFAverager eps", lambda: DPPFAverager(period=1, eps=0), ValueError, "eps"),
-    ("DPPFAverager distance", lambda: DPPFAverager(period=1, distance="layer"), ValueError, "distance"),
+    ("LocalStepAverager period", lambda: LocalStepAverager(period=0), ValueError, "period"),
+    (
+        "LocalStepAverager warmup_steps",
+        lambda: LocalStepAverager(period=1, warmup_steps=-1),
+        ValueError,
+        "warmup_steps",
+    ),
+    ("LocalStepAverager pull", lambda: LocalStepAverager(period=1, pull=1.5), ValueError, "pull"),
+    ("LocalStepAverager push", lambda: LocalStepAverager(period=1, push=-1), ValueError, "push"),
+    ("LocalStepAverager eps", lambda: LocalStepAverager(period=1, eps=0), ValueError, "eps"),
+    ("LocalStepAverager distance", lambda: LocalStepAverager(period=1, distance="layer"), ValueError, "distance"),
     (
         "SignCompressedBackend worker_error",
         lambda: SignCompressedBackend().compressed_allreduce(_x, torch.zeros(4), torch.zeros(4)),

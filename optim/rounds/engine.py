@@ -1,38 +1,13 @@
-"""DPPF, Distributed Pull-Push Force (Dimlioglu, Choromanska, arXiv 2507.20424).
-
-Local SGD in which, every ``period`` steps after ``warmup_steps``, each worker i is pulled
-toward the workers' average and pushed away from it (docs/design.md, "The math")::
-
-    x_bar <- mean_i x_i                        one all-reduce of the parameters
-    d_i   <- x_i - x_bar,   r_i <- ||d_i||
-    x_i   <- x_i - pull*d_i + push*d_i / max(r_i, eps)
-
-The distance to the average settles near ``push / pull``, so that ratio sets the width of
-the valley the workers span; the model to evaluate or save is the average x_bar
-(:meth:`DPPFAverager.consensus_state_dict`). ``pull=1, push=0`` is exactly PyTorch's
-``PeriodicModelAverager``, and ``push=0`` alone is elastic averaging.
-
-With ``outer=OuterStep(...)`` a round steps a shared consensus with the workers'
-pseudo-gradients (DiLoCo; :mod:`signmuon.optim.rounds`), and x_bar above is that new
-consensus: ``pull=1, push=0, outer=OuterStep.diloco()`` is DiLoCo. With ``layout=`` rounds are
-node-aware: the ranks of a node all-reduce every step, and only rails talk between nodes.
-On a model sharded by FSDP2 inside each node, rounds run on each rank's shard over its rail
-(``process_group=mesh["node"].get_group()``): the ranks that hold the same shard.
-
-Typical use, with torch's post-local-SGD machinery unchanged (see :func:`local_sgd`)::
-
-    model = DDP(net)
-    averager = DPPFAverager(period=8, warmup_steps=100, pull=0.5, push=0.05, module=model.module)
-    opt = local_sgd(model, torch.optim.SGD(model.parameters(), lr=0.05), averager)
-    for x, y in loader:
-        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-    weights = averager.consensus_state_dict(model.module)   # on every rank (a collective)
-"""
+"""The engine of local-step training: every ``period`` steps after ``warmup_steps``, a round
+moves each worker toward the workers' average, or, with an outer step, toward a consensus
+stepped with their pseudo-gradients (:mod:`~signmuon.optim.rounds.outer_step`); DPPF's pull and
+push (:mod:`~signmuon.optim.rounds.dppf`) act around that target."""
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,19 +22,18 @@ from signmuon.comm_hooks.dist import (
     NonFiniteError,
     check_same_settings,
     flatten,
-    gather_rows,
-    group_device,
-    group_size_rank,
     mean_all_reduce,
     settings_digest,
-    split_like,
     unflatten_into,
 )
 
-from .params import local_tensor
-from .rounds import Consensus, OuterStep, average_over_nodes, check_shards, round_flags
+from ..params import local_tensor
+from .consensus import Consensus, check_shards, round_flags
+from .dppf import pull_push, worker_distances
+from .outer_step import OuterStep
+from .rails import average_over_nodes
 
-__all__ = ["DPPFAverager", "DISTANCES"]
+__all__ = ["DISTANCES", "DPPFAverager", "LocalStepAverager"]
 
 DISTANCES = ("model", "tensor")
 
@@ -70,8 +44,9 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-class DPPFAverager(ModelAverager):
-    """Pull-push model averager; plugs into ``PostLocalSGDOptimizer`` like ``PeriodicModelAverager``.
+class LocalStepAverager(ModelAverager):
+    """The averager of local-step training (local SGD, DPPF, DiLoCo, MuLoCo, one-bit and
+    node-aware rounds); plugs into ``PostLocalSGDOptimizer`` like ``PeriodicModelAverager``.
 
     Args:
         period: local steps between averaging rounds (>= 1).
@@ -110,7 +85,7 @@ class DPPFAverager(ModelAverager):
     ``mean_distance`` / ``max_distance`` are then this shard's.
 
     Each round starts with small all-gathers that make it safe against what differs between
-    ranks (:func:`~signmuon.optim.rounds.round_flags`): a mismatch raises on every rank.
+    ranks (:func:`~signmuon.optim.rounds.consensus.round_flags`): a mismatch raises on every rank.
 
     Statistics (read them off the object): ``rounds``, ``mean_distance``, ``max_distance``
     (worker distance to x_bar at the last round, before the update: the measured valley
@@ -179,7 +154,7 @@ class DPPFAverager(ModelAverager):
         with a gradient on any rank (so every rank averages the same set).
         """
         if not self._settings_checked:
-            check_same_settings(self._settings(), self.process_group, what="DPPFAverager settings")
+            check_same_settings(_settings(self), self.process_group, what="LocalStepAverager settings")
             self._settings_checked = True
         params = _all_params(params)
         if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
@@ -193,35 +168,6 @@ class DPPFAverager(ModelAverager):
                 self._round(params if self.consensus is not None else agreed)
         self.step += 1
 
-    def _settings(self) -> dict[str, Any]:
-        settings = {
-            name: getattr(self, name)
-            for name in (
-                "period",
-                "warmup_steps",
-                "pull",
-                "push",
-                "eps",
-                "distance",
-                "average_buffers",
-                "track_distances",
-                "nonfinite",
-            )
-        }
-        nodes = None if self.layout is None else (self.layout.nodes, self.layout.ranks_per_node)
-        outer = (
-            None
-            if self.outer is None
-            else (
-                self.outer.pseudo_gradient,
-                _describe(self.outer.optimizer),
-                repr(self.outer.vote),
-                self.outer.scale_block,
-                self.outer.scale_bits,
-            )
-        )
-        return {**settings, "outer": outer, "layout": nodes}
-
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The parameters every rank averages this round, or None when the round is skipped."""
         if dist._rank_not_in_group(self.process_group):
@@ -233,7 +179,7 @@ class DPPFAverager(ModelAverager):
             self.process_group,
             self.step,
             self.stats,
-            settings=settings_digest(self._settings()),
+            settings=settings_digest(_settings(self)),
             unchecked=unchecked,
         )
         if check_consensus:  # some rank is new to this consensus (first round, or loaded): all compare
@@ -243,7 +189,7 @@ class DPPFAverager(ModelAverager):
             self.stats.skipped += 1
             if self.nonfinite == "raise":
                 raise NonFiniteError(
-                    f"NaN or Inf in the parameters of rank(s) {bad_ranks} at DPPF round (step {self.step})"
+                    f"NaN or Inf in the parameters of rank(s) {bad_ranks} at a round (step {self.step})"
                 )
             return None
         return used
@@ -267,17 +213,9 @@ class DPPFAverager(ModelAverager):
             targets = self.consensus.advance(flats, self.stats)
         else:  # x_bar (torch's order: divide, then sum)
             targets = [average_over_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
-        for tensors, flat, mean in zip(groups, flats, targets):
-            diffs = [] if self.push else None
-            for p, x_bar in zip(tensors, split_like(mean, tensors)):
-                if diffs is not None:
-                    diffs.append(p - x_bar)
-                # lerp is exact at weight 1, so pull=1, push=0 gives torch's average bit for bit.
-                p.lerp_(x_bar.to(p.dtype), self.pull)
-            if diffs is not None:
-                distances += push_away(tensors, diffs, self.push, self.eps, per_tensor=self.distance == "tensor")
-            else:
-                distances.append(float((flat - mean).norm()))
+        per_tensor = self.distance == "tensor"
+        for tensors, flat, target in zip(groups, flats, targets):
+            distances += pull_push(tensors, flat, target, self.pull, self.push, self.eps, per_tensor=per_tensor)
         if self.average_buffers and self.module is not None:
             self._average_buffers()
         self.mean_distance, self.max_distance = worker_distances(distances, self.process_group, self.track_distances)
@@ -345,33 +283,46 @@ class DPPFAverager(ModelAverager):
         self._settings_checked = True  # the rounds compare them from here
 
 
-def push_away(
-    tensors: list[torch.Tensor], diffs: list[torch.Tensor], push: float, eps: float, *, per_tensor: bool
-) -> list[float]:
-    """``x_i += push * d_i / max(r_i, eps)`` with r_i the norm of all ``diffs`` together, or of each
-    on its own where ``per_tensor``; returns the r_i."""
-    if not per_tensor:
-        r = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs))
-        for p, d in zip(tensors, diffs):
-            p.add_(d, alpha=push / max(r, eps))
-        return [r]
-    radii = []
-    for p, d in zip(tensors, diffs):
-        r = float(d.norm())
-        p.add_(d, alpha=push / max(r, eps))
-        radii.append(r)
-    return radii
+SETTINGS = (
+    "period",
+    "warmup_steps",
+    "pull",
+    "push",
+    "eps",
+    "distance",
+    "average_buffers",
+    "track_distances",
+    "nonfinite",
+)
 
 
-def worker_distances(distances: list[float], group: dist.ProcessGroup, gather: bool) -> tuple[float, float]:
-    """(mean, max) over the workers of each one's distance to the consensus (the root sum of
-    squares of ``distances``); this worker's alone unless ``gather``."""
-    mine = math.sqrt(sum(r * r for r in distances))
-    world_size, _ = group_size_rank(group)
-    if not gather or world_size == 1:
-        return mine, mine
-    gathered = gather_rows(torch.tensor([mine], dtype=torch.float64, device=group_device(group)), group)
-    return float(gathered.mean()), float(gathered.max())
+def _settings(averager: LocalStepAverager) -> dict[str, Any]:
+    """What must be equal on every rank."""
+    settings = {name: getattr(averager, name) for name in SETTINGS}
+    layout, outer = averager.layout, averager.outer
+    nodes = None if layout is None else (layout.nodes, layout.ranks_per_node)
+    if outer is not None:
+        outer = (
+            outer.pseudo_gradient,
+            _describe(outer.optimizer),
+            repr(outer.vote),
+            outer.scale_block,
+            outer.scale_bits,
+        )
+    return {**settings, "outer": outer, "layout": nodes}
+
+
+class DPPFAverager(LocalStepAverager):
+    """The name :class:`LocalStepAverager` had until signmuon 0.1; it goes in 0.3."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "DPPFAverager is now LocalStepAverager (signmuon.optim.LocalStepAverager), the same class; "
+            "the old name is removed in signmuon 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)
 
 
 def _describe(factory: Any) -> str:
@@ -420,7 +371,7 @@ def _in_module_order(module: nn.Module, params: list[torch.Tensor]) -> list[torc
     expected = [p for p in module.parameters() if p.requires_grad]
     if len(params) != len(expected) or {id(p) for p in params} != {id(p) for p in expected}:
         raise ValueError(
-            "the parameters given to the round are not those the consensus was made of (DPPFAverager(module=...)'s "
+            "the parameters given to the round are not those the consensus was made of (LocalStepAverager(module=...)'s "
             "parameters that require grad, in any order): average_parameters must get the same parameters every time"
         )
     return expected

@@ -1,0 +1,203 @@
+"""The state rounds share and the checks that make a round safe: the consensus of rounds
+with an outer step, the flags every round starts with, and the refusal of mixed shards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from signmuon.comm_hooks import CommStats, NodeLayout
+from signmuon.comm_hooks.dist import (
+    agree,
+    gather_rows,
+    group_device,
+    group_size_rank,
+    nonfinite_flag,
+    settings_digest,
+    tensor_fingerprint,
+)
+from signmuon.comm_hooks.vote import error_buffer_sizes
+
+from ..params import local_tensor
+from .outer_step import OuterStep
+from .pseudo_gradients import combine_pseudo_gradients, scale_blocks
+from .rails import gather_slices, rail_bounds, rail_group
+
+__all__ = ["Consensus", "check_shards", "round_flags"]
+
+
+class Consensus:
+    """State of rounds with an outer step: the consensus x_prev of each flat parameter group
+    (this rank's rail slice of it in node-aware rounds), the outer optimizer over it, and the
+    error-feedback buffers of ``"sign_vote_ef"`` and ``"scaled_sign"``."""
+
+    def __init__(
+        self,
+        groups: list[list[torch.Tensor]],
+        outer: OuterStep,
+        group: dist.ProcessGroup | None,
+        layout: NodeLayout | None,
+    ) -> None:
+        self.outer, self.group, self.layout = outer, group, layout
+        self.sizes = [tuple(t.numel() for t in tensors) for tensors in groups]
+        self.tensors = []
+        for tensors in groups:
+            lo, hi, _ = rail_bounds(sum(t.numel() for t in tensors), layout)
+            self.tensors.append(torch.cat([t.detach().reshape(-1) for t in tensors])[lo:hi].clone())
+        self.optimizer = outer.optimizer(self.tensors)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"OuterStep.optimizer built a {type(self.optimizer).__name__}, not a torch.optim.Optimizer"
+            )
+        self.errors: list[tuple[torch.Tensor, ...]] = []
+        if outer.pseudo_gradient == "sign_vote_ef":
+            self.errors = [(torch.zeros_like(c),) for c in self.tensors]
+        if outer.pseudo_gradient == "scaled_sign":
+            ranks, _ = group_size_rank(rail_group(group, layout))
+            for c in self.tensors:
+                worker, server = error_buffer_sizes(c.numel(), ranks)
+                self.errors.append((c.new_zeros(worker), c.new_zeros(server)))
+        self.rounds = 0
+
+    def check_same_start(self, stats: CommStats | None) -> None:
+        """Raise on every rank unless all start from the same consensus (an averager built before
+        DDP made the parameters equal would otherwise step a different consensus on each rank)."""
+        prints = {f"group {i}": int(tensor_fingerprint(c)) for i, c in enumerate(self.tensors)}
+        agree(
+            prints,
+            rail_group(self.group, self.layout),
+            stats=stats,
+            what="the first round with different "
+            "consensus parameters (build LocalStepAverager after DDP, which makes the workers' parameters equal)",
+        )
+
+    @torch.no_grad()
+    def reset(self, flats: list[torch.Tensor]) -> None:
+        """Start again from ``flats`` (the same on every rank: the end of the warm-up)."""
+        for c, flat in zip(self.tensors, flats):
+            lo, hi, _ = rail_bounds(flat.numel(), self.layout)
+            c.copy_(flat[lo:hi])
+
+    @torch.no_grad()
+    def advance(self, flats: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
+        """One round: combine the workers' pseudo-gradients, step the consensus; returns the new
+        consensus of each group, whole."""
+        group = rail_group(self.group, self.layout)
+        for i, (c, flat) in enumerate(zip(self.tensors, flats)):
+            lo, hi, _ = rail_bounds(flat.numel(), self.layout)
+            delta = c - flat[lo:hi]
+            c.grad = combine_pseudo_gradients(
+                delta,
+                self.outer.pseudo_gradient,
+                group,
+                stats,
+                segments=scale_blocks(self.sizes[i], lo, hi, self.outer.scale_block),
+                errors=self.errors[i] if self.errors else (),
+                vote=self.outer.vote,
+                step=self.rounds,
+                scale_bits=self.outer.scale_bits,
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.rounds += 1
+        return self.whole(stats)
+
+    def whole(self, stats: CommStats | None = None) -> list[torch.Tensor]:
+        """Each group's consensus, whole (gathered inside the node in node-aware rounds: a collective)."""
+        return [gather_slices(c, sum(sizes), self.layout, stats) for c, sizes in zip(self.tensors, self.sizes)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": [c.detach().clone() for c in self.tensors],
+            "optimizer": self.optimizer.state_dict(),
+            "errors": [tuple(e.clone() for e in buffers) for buffers in self.errors],
+            "rounds": self.rounds,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shapes = [tuple(t.shape) for t in state["tensors"]]
+        if shapes != [tuple(c.shape) for c in self.tensors]:
+            raise ValueError(
+                f"the checkpoint's consensus has slices of {shapes} entries, this averager {[tuple(c.shape) for c in self.tensors]}: "
+                "another model, or another node layout"
+            )
+        saved_errors = [[tuple(e.shape) for e in buffers] for buffers in state["errors"]]
+        if saved_errors != [[tuple(e.shape) for e in buffers] for buffers in self.errors]:
+            raise ValueError(
+                "the checkpoint's error-feedback buffers do not fit this averager's: it was saved with another "
+                f"pseudo_gradient rule than {self.outer.pseudo_gradient!r}, or another node layout"
+            )
+        for c, saved in zip(self.tensors, state["tensors"]):
+            c.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for buffers, saved in zip(self.errors, state["errors"]):
+            for e, saved_e in zip(buffers, saved):
+                e.copy_(saved_e)
+        self.rounds = int(state["rounds"])
+
+
+@torch.no_grad()
+def round_flags(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    step: int,
+    stats: CommStats,
+    *,
+    settings: int = 0,
+    unchecked: bool = False,
+) -> tuple[list[torch.Tensor], list[int], bool]:
+    """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
+    ``buffers``, whether any rank is ``unchecked``): one all-gather, after checking that every
+    rank is at the same step with the same parameter shapes and ``settings`` digest (else
+    ``VoteMismatchError`` on every rank, rather than a collective of mismatched sizes).
+    Parameters with a gradient on any rank take part everywhere, so one unused on a single rank
+    is still averaged consistently."""
+    device = group_device(group)
+    layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
+    fields = {"step": step, "parameters": len(params), "layout": layout, "settings": settings}
+    agree(fields, group, what="a local-step round", stats=stats)
+    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
+    flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
+    flags[-1, 0] = int(unchecked)
+    if params:
+        flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
+        flags[:-1, 1] = torch.stack([nonfinite_flag(local_tensor(p).detach()).to(device) for p in params])
+    if buffers:
+        flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
+    gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
+    used = gathered[:, :-1, 0].any(dim=0)  # [P]
+    bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
+    return (
+        [p for p, u in zip(params, used.tolist()) if u],
+        bad.nonzero().view(-1).tolist(),
+        bool(gathered[:, -1, 0].any()),
+    )
+
+
+def check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layout: NodeLayout | None) -> None:
+    """Refuse rounds over ranks that hold different shards of a parameter (FSDP2's DTensors)."""
+    sharded = [p for p in module.parameters() if p.requires_grad and isinstance(p, DTensor)]
+    if not sharded:
+        return
+    if push or layout is not None:
+        raise ValueError(
+            "a model sharded by FSDP2: rounds run on each rank's shards over its rail; push (a worker's distance "
+            "would be one shard's) and layout= (FSDP2 already runs the node) do not apply"
+        )
+    try:
+        group_ranks = set(dist.get_process_group_ranks(group))
+    except KeyError:  # outside the registry: torchft's groups join one local rank of each replica group, one shard
+        return
+    for p in sharded:
+        holders = set(p.device_mesh.mesh.reshape(-1).tolist())  # the ranks sharing this parameter
+        if len(holders & group_ranks) > 1:
+            raise ValueError(
+                f"the rounds' process group holds {len(holders & group_ranks)} shards of one FSDP2 parameter: average "
+                "over the ranks that hold the same shard, process_group=mesh['node'].get_group() of node_mesh()"
+            )
