@@ -17,7 +17,6 @@ from .vote import (
     NodeVoteWork,
     VoteConfig,
     VoteWork,
-    majority_vote_async,
     node_layout,
 )
 
@@ -238,7 +237,7 @@ class VoteHookState:
             )
         else:
             self.headers_agree = True
-            work = majority_vote_async(
+            work = VoteWork(
                 voter,
                 self.process_group,
                 self.vote_config.rail,  # flat: one node, or one rank per node

@@ -2,7 +2,7 @@
 tests' harness ships with the tests.
 
 Layers, lowest first (a module may import its own layer and those below it):
-``comm_hooks/kernels`` < ``comm_hooks/dist`` < ``comm_hooks/vote`` < ``comm_hooks`` (the DDP
+``comm_hooks/kernels`` < ``comm_hooks/dist`` < ``comm_hooks/vote/encodings`` < ``comm_hooks/vote`` < ``comm_hooks`` (the DDP
 adapters) < ``optim`` < ``integrations`` < ``benchmarks``.
 """
 
@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     "comm_hooks/kernels",
     "comm_hooks/dist",
+    "comm_hooks/vote/encodings",
     "comm_hooks/vote",
     "comm_hooks",
     "optim",
@@ -79,10 +80,11 @@ LIBRARY = sorted(
 
 def test_the_walk_sees_the_whole_package():
     assert len(LIBRARY) > 40
-    assert _layer_of_module("signmuon.comm_hooks.vote.exchange") == 2
-    assert _layer_of_module("signmuon.comm_hooks.allreduce") == 3
-    assert _layer_of_module("signmuon.optim") == 4
-    assert _layer_of_path(ROOT / "comm_hooks/vote/exchange.py") == 2
+    assert _layer_of_module("signmuon.comm_hooks.vote.encodings.sign") == 2
+    assert _layer_of_module("signmuon.comm_hooks.vote.exchange") == 3
+    assert _layer_of_module("signmuon.comm_hooks.allreduce") == 4
+    assert _layer_of_module("signmuon.optim") == 5
+    assert _layer_of_path(ROOT / "comm_hooks/vote/exchange.py") == 3
     # A relative import one level up from a vote module lands in comm_hooks (the hooks layer).
     assert "signmuon.comm_hooks.dist" in {m for _, m in _imports(ROOT / "comm_hooks/vote/exchange.py")}
 

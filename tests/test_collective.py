@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, majority_vote_async, vote_bytes_per_rank
+from signmuon.comm_hooks import CommStats, VoteConfig, VoteWork, majority_vote, vote_bytes_per_rank
 from tests.harness import run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +49,7 @@ def _vote_worker(rank: int, world_size: int) -> list:
         stats = CommStats()
         seed = 1234 + case["n"]
         if case["n"] == 1:
-            out = majority_vote_async(
+            out = VoteWork(
                 x, config=VoteConfig(tie=case["tie"], algorithm=case["algorithm"]), step=seed, stats=stats
             ).wait()
         else:
@@ -176,7 +176,7 @@ def test_zero_runs_and_their_plane_follow_the_definition():
 
     from signmuon.comm_hooks.kernels import cpu
     from signmuon.comm_hooks.kernels.layout import words_for
-    from signmuon.comm_hooks.vote.zero_codes import plane_from_runs, zero_runs
+    from signmuon.comm_hooks.vote.encodings.zero_codes import plane_from_runs, zero_runs
 
     rng = random.Random(0)
     for case in range(200):
@@ -256,7 +256,7 @@ def _coin_worker(rank: int, world_size: int, n: int) -> dict:
 def test_zero_rule_coin_sends_one_bit_and_votes_a_keyed_coin_for_each_zero(world_size):
     from signmuon.comm_hooks.kernels import reference
     from signmuon.comm_hooks.kernels.layout import GOLDEN, MASK64, mix64
-    from signmuon.comm_hooks.vote.encoding import ZERO_COIN_SALT, call_key
+    from signmuon.comm_hooks.vote.encodings.sign import ZERO_COIN_SALT, call_key
 
     n = 4096
     results = run_distributed(_coin_worker, world_size, n)
@@ -290,7 +290,7 @@ def test_zero_coins_on_unaligned_segments_of_a_slice_follow_the_definition():
     # throughout in the slice (it abstains) and one only partly inside it.
     from signmuon.comm_hooks.kernels import reference
     from signmuon.comm_hooks.kernels.layout import GOLDEN, MASK64, SignSegments, mix64
-    from signmuon.comm_hooks.vote.encoding import ZERO_COIN_SALT, call_key
+    from signmuon.comm_hooks.vote.encodings.sign import ZERO_COIN_SALT, call_key
 
     first, n = 37, 700
     starts = (0, 101, 230, 231, 500, 613, 900)
@@ -340,7 +340,7 @@ def test_different_sizes_raise_on_every_rank(world_size, sizes):
 def test_shards_too_long_for_int32_positions_send_their_zeros_as_planes(monkeypatch):
     """Zero lists and runs hold int32 positions: past 2^31 entries a shard's zeros go as a plane
     (the limit lowered here to a few words), and the vote is still exact."""
-    from signmuon.comm_hooks.vote import zero_codes as codes
+    from signmuon.comm_hooks.vote.encodings import zero_codes as codes
     from signmuon.comm_hooks.vote.packing import as_words, pack_nonzero
 
     x = torch.randn(64 * 63)  # whole words: no padding bits (as_words leaves them clear)
@@ -374,3 +374,44 @@ def test_zeros_in_one_part_do_not_split_the_ranks_decisions():
     decided = total != 0  # no tie (and not all abstaining)
     assert torch.equal(votes[0][decided], torch.sign(total[decided]))
     assert bool((votes[0][:100] == 0).all())  # every voter abstains there: the zeros travel back
+
+
+def _negated_encoding_worker(rank, world_size):
+    """design.md's recipe for a new encoding, end to end: a class with the Encoding protocol
+    (here the sign encoding of the negated tensor), its builder entered in VOTE_ENCODINGS, and a
+    VoteConfig naming it; the hooks and optimizers take the same config."""
+    from signmuon.comm_hooks.vote.encodings import VOTE_ENCODINGS, SignEncoding
+
+    class NegatedSigns(SignEncoding):
+        __slots__ = ()
+
+        def encode(self, flat, plan):
+            return super().encode(-flat, plan)
+
+    VOTE_ENCODINGS["negated"] = NegatedSigns.for_vote
+    torch.manual_seed(rank)
+    x = torch.randn(1000)
+    plain = majority_vote(x.clone(), None, VoteConfig(tie="exact"))
+    stats = CommStats()
+    negated = majority_vote(x.clone(), None, VoteConfig(tie="exact", encoding="negated"), stats=stats)
+    return plain, negated, stats.bytes_sent
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_an_encoding_named_by_the_config_is_the_one_sent(world_size):
+    results = run_distributed(_negated_encoding_worker, world_size)
+    plain, negated, sent = results[0]
+    assert plain.abs().sum() > 0 and torch.equal(negated, -plain)
+    assert all(torch.equal(r[1], negated) for r in results[1:]), "every rank decodes the same vote"
+    assert sent > 0
+    with pytest.raises(ValueError, match="encoding='negated' names no vote encoding.*'sign'"):
+        VoteConfig(encoding="negated")  # registered in the workers only
+
+
+def test_the_old_name_of_vote_work_warns_and_votes_the_same():
+    from signmuon.comm_hooks import majority_vote_async
+
+    x = torch.randn(100)
+    with pytest.warns(DeprecationWarning, match="VoteWork"):
+        work = majority_vote_async(x.clone())
+    assert isinstance(work, VoteWork) and torch.equal(work.wait(), majority_vote(x.clone()))

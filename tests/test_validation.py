@@ -63,6 +63,7 @@ CASES = [
     ("SignVoteState momentum", lambda: SignVoteState(momentum=1.5), ValueError, "momentum"),
     ("VoteConfig seed", lambda: VoteConfig(seed=-1), ValueError, "seed"),
     ("VoteConfig kernels", lambda: VoteConfig(kernels="cuda"), ValueError, "kernels"),
+    ("VoteConfig encoding", lambda: VoteConfig(encoding="two_bits"), ValueError, "encoding"),
     ("VoteConfig fault", lambda: VoteConfig(fault=(0,)), TypeError, "fault"),
     ("VoteConfig.from_dict keys", lambda: VoteConfig.from_dict({"ties": "fast"}), ValueError, "ties"),
     ("majority_vote config", lambda: majority_vote(_x, config={"tie": "fast"}), TypeError, "config"),

@@ -6,7 +6,7 @@ faults in test_reliability.py); here: the collective and the DeepSpeed backend."
 import pytest
 import torch
 
-from signmuon.comm_hooks import ByzantineFault, CommStats, VoteConfig, VoteWork, majority_vote, majority_vote_async
+from signmuon.comm_hooks import ByzantineFault, CommStats, VoteConfig, VoteWork, majority_vote
 from signmuon.integrations.deepspeed import SignCompressedBackend
 from tests.harness import run_distributed
 
@@ -22,7 +22,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("entry", [majority_vote, majority_vote_async, VoteWork], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("entry", [majority_vote, VoteWork], ids=lambda f: f.__name__)
 def test_the_collective_refuses_the_node_aware_vote_and_says_where_it_works(entry):
     with pytest.raises(ValueError, match="SignVoteState.*SignMuon.*DeepSpeed"):
         entry(torch.ones(8), None, HIERARCHICAL)
@@ -41,6 +41,15 @@ def test_the_backend_refuses_what_it_cannot_honour():
             backend.compressed_allreduce(torch.ones(16), torch.zeros(16), torch.zeros(16))
     with pytest.raises(TypeError, match="vote must be a VoteConfig"):
         SignCompressedBackend(vote={"tie": "fast"})
+
+
+def test_the_backend_refuses_an_encoding_other_than_its_own(monkeypatch):
+    from signmuon.comm_hooks.vote.encodings import VOTE_ENCODINGS
+
+    monkeypatch.setitem(VOTE_ENCODINGS, "other", VOTE_ENCODINGS["sign"])
+    backend = SignCompressedBackend(vote=VoteConfig(encoding="other"))
+    with pytest.raises(ValueError, match="scaled signs, not VoteConfig.encoding='other'"):
+        backend.compressed_allreduce(torch.ones(16), torch.zeros(16), torch.zeros(16))
 
 
 def _fields_worker(rank, world_size):

@@ -2,9 +2,9 @@
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .compressed_allreduce import scaled_sign_allreduce
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
-from .encoding import MomentumStep
-from .faults import ByzantineFault
+from .encodings import ByzantineFault, MomentumStep, error_buffer_sizes
 from .node_vote import (
     NodeVoteWork,
     OwnedVoteWork,
@@ -17,7 +17,6 @@ from .node_vote import (
     world_mean,
 )
 from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
-from .scaled_sign import error_buffer_sizes, scaled_sign_allreduce
 from .topology import NodeLayout, node_layout
 
 __all__ = [

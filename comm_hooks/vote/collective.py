@@ -22,6 +22,8 @@ for an even world size).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -29,7 +31,7 @@ from ..dist import CommStats, group_size_rank
 from ..kernels import kernels_for
 from ..kernels.layout import SignSegments, words_for
 from .config import VoteConfig
-from .encoding import MomentumStep, SignEncoding, call_key
+from .encodings import VOTE_ENCODINGS, MomentumStep, VoteCall
 from .exchange import ExchangeWork, default_two_phase, exchange_bytes_per_rank
 from .packing import check_float
 
@@ -46,7 +48,8 @@ def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto", ag
 
 
 class VoteWork(ExchangeWork):
-    """One majority vote in flight: :class:`ExchangeWork` with the :class:`SignEncoding`.
+    """One majority vote in flight: :class:`ExchangeWork` with the encoding ``config.encoding``
+    names (``VOTE_ENCODINGS``; the sign encoding by default).
 
     ``VoteWork(...)`` packs and starts the first exchange; :meth:`exchange` waits for it, votes
     the local shard and starts the second; :meth:`wait` finishes and returns the voted tensor.
@@ -100,16 +103,8 @@ class VoteWork(ExchangeWork):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int (it keys the tie-break coins)")
         world_size, _ = group_size_rank(group)
-        encoding = SignEncoding(
-            kernels_for(flat.device, config.kernels),
-            config.tie,
-            call_key(config.seed, step),
-            segments,
-            config.fault,
-            first_entry or 0,
-            zeros=config.zeros,
-            momentum=momentum,
-        )
+        call = VoteCall(step, segments, first_entry or 0, momentum)
+        encoding = VOTE_ENCODINGS[config.encoding](config, kernels_for(flat.device, config.kernels), call)
         super().__init__(
             encoding,
             flat,
@@ -125,13 +120,15 @@ class VoteWork(ExchangeWork):
         )
 
 
-majority_vote_async = VoteWork
-"""Start a vote and return its :class:`VoteWork` (packing and the first exchange start before
-it returns); ``.wait()`` gives the voted tensor. Arguments are those of :func:`majority_vote`,
-plus ``input_nonfinite`` (0-d bool: this rank's input counts as non-finite although ``tensor``
-is finite), ``first_entry`` (the tensor is entries ``first_entry..`` of the one ``segments``
-describe, a slice voted with the coins of the whole) and ``momentum`` (a ``MomentumStep``:
-``tensor`` is a momentum buffer, advanced in the packing pass before its signs are voted)."""
+def majority_vote_async(*args, **options) -> VoteWork:
+    """The name ``VoteWork`` had until signmuon 0.1; it goes in 0.3."""
+    warnings.warn(
+        "majority_vote_async is now VoteWork (signmuon.comm_hooks.VoteWork), the same call; "
+        "the old name is removed in signmuon 0.3",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return VoteWork(*args, **options)
 
 
 def majority_vote(

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from typing import Literal
 
-from .faults import ByzantineFault
+from .encodings import VOTE_ENCODINGS, ByzantineFault
 
 __all__ = ["VoteConfig", "TIE_MODES", "ZERO_RULES", "ALGORITHMS", "NONFINITE_ACTIONS", "KERNELS"]
 
@@ -66,6 +66,10 @@ class VoteConfig:
     ranks_per_node: int | None = None
     """L, the ranks per node for ``hierarchical``; ``None`` reads torchrun's ``LOCAL_WORLD_SIZE``
     and checks that ranks are numbered node by node."""
+    encoding: str = "sign"
+    """The encoding the vote sends, a name in ``comm_hooks.vote.encodings.VOTE_ENCODINGS``:
+    ``"sign"``, one bit per entry with the tie and zero rules above (docs/design.md, "A new
+    encoding", adds one)."""
     fault: ByzantineFault | None = None
     """Testing only: ranks that send wrong signs (see ``ByzantineFault``)."""
 
@@ -75,6 +79,7 @@ class VoteConfig:
         _choice("algorithm", self.algorithm, ALGORITHMS, "is unknown")
         _choice("nonfinite", self.nonfinite, NONFINITE_ACTIONS, "is not an action")
         _choice("kernels", self.kernels, KERNELS, "names no kernel family")
+        _choice("encoding", self.encoding, tuple(VOTE_ENCODINGS), "names no vote encoding")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative int (it keys the tie-break coins)")
         if not isinstance(self.hierarchical, bool):
@@ -114,6 +119,7 @@ class VoteConfig:
             "hierarchical": self.hierarchical,
             "ranks_per_node": self.ranks_per_node,
             "fault": fault,
+            "encoding": self.encoding,
         }
 
     @classmethod

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import CommStats, NonFiniteError, VoteMismatchError, agree, all_to_all, group_size_rank, host_words
-from .wire import (
+from .encodings.wire import (
     AGREE_FIELDS,
     DTYPE_CODES,
     EXCHANGE_FLAGS,

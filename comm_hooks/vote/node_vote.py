@@ -36,7 +36,7 @@ from ..dist import CommStats, all_reduce, flatten, gather_rows, mean_all_reduce,
 from ..kernels.layout import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
-from .encoding import MomentumStep
+from .encodings import MomentumStep
 from .topology import NodeLayout
 
 __all__ = [

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote
 from signmuon.comm_hooks.dist import group_size_rank
-from signmuon.comm_hooks.vote.scaled_sign import scaled_sign, scaled_sign_allreduce
+from signmuon.comm_hooks.vote import scaled_sign_allreduce
+from signmuon.comm_hooks.vote.encodings import scaled_sign
 
 __all__ = ["SignCompressedBackend", "scaled_sign"]
 
@@ -80,6 +81,11 @@ class SignCompressedBackend:
             raise ValueError(
                 "compressed_allreduce always runs two phases, has no fault injection and no zero rule: pass a VoteConfig "
                 "with algorithm='auto' or 'two_phase', no fault and zeros='abstain' (those settings apply to majority_vote)"
+            )
+        if config.encoding != "sign":
+            raise ValueError(
+                f"compressed_allreduce sends 1-bit Adam's scaled signs, not VoteConfig(encoding={config.encoding!r}): "
+                "the encoding applies to majority votes (the hooks, the optimizers)"
             )
         return scaled_sign_allreduce(
             buffer_m,

@@ -15,16 +15,14 @@ from signmuon.comm_hooks.dist import (
     agree,
     gather_rows,
     group_device,
-    group_size_rank,
     nonfinite_flag,
     settings_digest,
     tensor_fingerprint,
 )
-from signmuon.comm_hooks.vote import error_buffer_sizes
 
 from ..params import local_tensor
 from .outer_step import OuterStep
-from .pseudo_gradients import combine_pseudo_gradients, scale_blocks
+from .pseudo_gradients import RULES, combine_pseudo_gradients, scale_blocks
 from .rails import gather_slices, rail_bounds, rail_group
 
 __all__ = ["Consensus", "check_shards", "round_flags"]
@@ -53,14 +51,12 @@ class Consensus:
             raise ValueError(
                 f"OuterStep.optimizer built a {type(self.optimizer).__name__}, not a torch.optim.Optimizer"
             )
+        sizes = RULES[outer.pseudo_gradient].error_sizes
         self.errors: list[tuple[torch.Tensor, ...]] = []
-        if outer.pseudo_gradient == "sign_vote_ef":
-            self.errors = [(torch.zeros_like(c),) for c in self.tensors]
-        if outer.pseudo_gradient == "scaled_sign":
-            ranks, _ = group_size_rank(rail_group(group, layout))
-            for c in self.tensors:
-                worker, server = error_buffer_sizes(c.numel(), ranks)
-                self.errors.append((c.new_zeros(worker), c.new_zeros(server)))
+        if sizes is not None:
+            self.errors = [
+                tuple(c.new_zeros(n) for n in sizes(c.numel(), rail_group(group, layout))) for c in self.tensors
+            ]
         self.rounds = 0
 
     def check_same_start(self, stats: CommStats | None) -> None:

@@ -17,9 +17,11 @@ import torch
 
 from signmuon.comm_hooks import VoteConfig
 
+from .pseudo_gradients import RULES
+
 __all__ = ["OuterStep", "PSEUDO_GRADIENTS"]
 
-PSEUDO_GRADIENTS = ("mean", "sign_vote", "sign_vote_ef", "scaled_sign")
+PSEUDO_GRADIENTS = tuple(RULES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +53,7 @@ class OuterStep:
     whole; ``B`` scales each run of ``B`` entries of a tensor on its own (a 32-bit scale per
     block: ``32/B`` bits per entry more), so the voted signs keep more of the magnitudes."""
 
-    SCALED: ClassVar[tuple[str, ...]] = ("sign_vote", "sign_vote_ef")
+    SCALED: ClassVar[tuple[str, ...]] = tuple(name for name, rule in RULES.items() if rule.scaled)
     """The rules whose voted signs take ``scale_block`` and ``scale_bits``."""
 
     scale_bits: int = 32

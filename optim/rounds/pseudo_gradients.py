@@ -1,18 +1,90 @@
-"""How a round combines the workers' pseudo-gradients, one function per rule of
-:attr:`OuterStep.pseudo_gradient <signmuon.optim.rounds.OuterStep.pseudo_gradient>`."""
+"""How a round combines the workers' pseudo-gradients: one :class:`Rule` per name of
+:attr:`OuterStep.pseudo_gradient <signmuon.optim.rounds.OuterStep.pseudo_gradient>`, each
+sending its encoding (fp32, the sign vote of ``OuterStep.vote``, 1-bit Adam's scaled signs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote
-from signmuon.comm_hooks.dist import gather_rows, mean_all_reduce
+from signmuon.comm_hooks.dist import gather_rows, group_size_rank, mean_all_reduce
 from signmuon.comm_hooks.vote import scaled_sign_allreduce
+from signmuon.comm_hooks.vote.encodings import decode_log_scales, encode_log_scales, error_buffer_sizes
 
-__all__ = ["combine_pseudo_gradients", "scale_blocks"]
+__all__ = ["RULES", "Rule", "combine_pseudo_gradients", "scale_blocks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """What a rule gets besides the pseudo-gradient (see :func:`combine_pseudo_gradients`)."""
+
+    group: dist.ProcessGroup | None
+    stats: CommStats | None
+    segments: list[tuple[int, int, int]]
+    errors: tuple[torch.Tensor, ...]
+    vote: VoteConfig
+    step: int
+    scale_bits: int
+
+
+def _mean(delta: torch.Tensor, r: Round) -> torch.Tensor:
+    return mean_all_reduce(delta, r.group, r.stats)
+
+
+def _scaled_sign(delta: torch.Tensor, r: Round) -> torch.Tensor:
+    return scaled_sign_allreduce(
+        delta,
+        *r.errors,
+        r.group,
+        kernels=r.vote.kernels,
+        nonfinite=r.vote.nonfinite,
+        stats=r.stats,
+        label="a round's pseudo-gradient",
+    )
+
+
+def _sign_vote(delta: torch.Tensor, r: Round, *, feedback: bool = False) -> torch.Tensor:
+    """The vote of the signs, each block scaled by the workers' mean of its mean magnitude; with
+    ``feedback`` each worker first adds, and then keeps, what its own scaled signs leave out."""
+    if feedback:
+        delta.add_(r.errors[0])
+    blocks = [delta[a:b].view(-1, width) for a, b, width in r.segments]  # [blocks, width] each
+    scales = torch.cat([rows.abs().mean(dim=1) for rows in blocks]) if blocks else delta.new_zeros(0)
+    counts = [rows.shape[0] for rows in blocks]
+    if feedback:
+        for (a, b, width), rows, scale in zip(r.segments, blocks, scales.split(counts)):
+            torch.sub(rows, rows.sign() * scale.unsqueeze(1), out=r.errors[0][a:b].view(-1, width))
+    scales = _average_scales(scales, r.scale_bits, r.group, r.stats)
+    majority_vote(delta, r.group, r.vote, step=r.step, out=delta, stats=r.stats, label="a round's pseudo-gradient")
+    for rows, scale in zip(blocks, scales.split(counts)):
+        rows.mul_(scale.unsqueeze(1))
+    return delta
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One way to combine the pseudo-gradients."""
+
+    combine: Callable[[torch.Tensor, Round], torch.Tensor]
+    """Combines this worker's flat pseudo-gradient (overwritten) with the others'."""
+    error_sizes: Callable[[int, dist.ProcessGroup | None], tuple[int, ...]] | None = None
+    """The sizes of its error-feedback buffers for ``numel`` entries combined over a group."""
+    scaled: bool = False
+    """Whether its signs carry scales (``OuterStep.scale_block`` and ``scale_bits``)."""
+
+
+RULES = {
+    "mean": Rule(_mean),
+    "sign_vote": Rule(_sign_vote, scaled=True),
+    "sign_vote_ef": Rule(functools.partial(_sign_vote, feedback=True), lambda numel, group: (numel,), scaled=True),
+    "scaled_sign": Rule(_scaled_sign, lambda numel, group: error_buffer_sizes(numel, group_size_rank(group)[0])),
+}
+"""The rules by name; a new one is a function and an entry here (docs/design.md's recipe)."""
 
 
 def combine_pseudo_gradients(
@@ -27,44 +99,13 @@ def combine_pseudo_gradients(
     step: int = 0,
     scale_bits: int = 32,
 ) -> torch.Tensor:
-    """Combine the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group``.
-
-    ``segments`` are ``(start, stop, width)`` runs of ``delta`` cut into blocks of ``width``
-    entries (:func:`scale_blocks`): ``"sign_vote"`` scales each block by the workers' mean of its
-    mean magnitude, the blocks of a run as the rows of one view (no Python loop per block). ``errors`` are the feedback buffers: (worker,
-    server) for ``"scaled_sign"``, (worker,) for ``"sign_vote_ef"``; ``step`` keys the tie coins;
-    the scales travel in ``scale_bits`` (``OuterStep.scale_bits``).
-    """
+    """Combine the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group`` by the
+    rule ``how``. ``segments`` are ``(start, stop, width)`` runs of ``delta`` cut into scale
+    blocks of ``width`` entries (:func:`scale_blocks`), the blocks of a run scaled as the rows of
+    one view; ``errors`` the rule's feedback buffers; ``step`` keys the tie coins; the scales
+    travel in ``scale_bits`` (``OuterStep.scale_bits``)."""
     vote = vote if vote is not None else VoteConfig(tie="exact")
-    if how == "mean":
-        return mean_all_reduce(delta, group, stats)
-    if how == "scaled_sign":
-        return scaled_sign_allreduce(
-            delta,
-            *errors,
-            group,
-            kernels=vote.kernels,
-            nonfinite=vote.nonfinite,
-            stats=stats,
-            label="a round's pseudo-gradient",
-        )
-    if how == "sign_vote_ef":
-        delta.add_(errors[0])
-    blocks = [delta[a:b].view(-1, width) for a, b, width in segments]  # [blocks, width] each
-    scales = torch.cat([rows.abs().mean(dim=1) for rows in blocks]) if blocks else delta.new_zeros(0)
-    counts = [rows.shape[0] for rows in blocks]
-    if how == "sign_vote_ef":  # what this worker's own scaled signs leave out
-        for (a, b, width), rows, scale in zip(segments, blocks, scales.split(counts)):
-            torch.sub(rows, rows.sign() * scale.unsqueeze(1), out=errors[0][a:b].view(-1, width))
-    scales = _average_scales(scales, scale_bits, group, stats)
-    majority_vote(delta, group, vote, step=step, out=delta, stats=stats, label="a round's pseudo-gradient")
-    for rows, scale in zip(blocks, scales.split(counts)):
-        rows.mul_(scale.unsqueeze(1))
-    return delta
-
-
-LOG_STEPS_PER_OCTAVE = 8  # the 8-bit scales' grid: 2^(1/8), a 9% step
-ZERO_CODE = 255  # an 8-bit scale of 0 (or below the grid's 254 steps under the largest)
+    return RULES[how].combine(delta, Round(group, stats, segments, errors, vote, step, scale_bits))
 
 
 def _average_scales(
@@ -75,24 +116,7 @@ def _average_scales(
         return mean_all_reduce(scales, group, stats)
     if bits == 16:
         return mean_all_reduce(scales.to(torch.bfloat16), group, stats).to(scales.dtype)
-    return _log8_decode(gather_rows(_log8_encode(scales), group, stats)).mean(0)
-
-
-def _log8_encode(scales: torch.Tensor) -> torch.Tensor:
-    """uint8 [n + 4]: each float32 scale >= 0 as ``round(8·log2(largest/scale))`` (``ZERO_CODE``
-    for 0 or below the grid), then the largest scale's four bytes."""
-    largest = scales.max() if scales.numel() else scales.new_zeros(())
-    steps = torch.round(LOG_STEPS_PER_OCTAVE * torch.log2(largest / scales))
-    codes = torch.where((scales > 0) & (steps < ZERO_CODE), steps, ZERO_CODE).to(torch.uint8)
-    return torch.cat([codes, largest.reshape(1).view(torch.uint8)])
-
-
-def _log8_decode(rows: torch.Tensor) -> torch.Tensor:
-    """float32 [M, n]: the scales :func:`_log8_encode` coded in each of ``rows`` [M, n + 4]."""
-    # A copy of the last four bytes: view() as float32 needs them 4-byte aligned.
-    codes, largest = rows[:, :-4], rows[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)
-    scales = largest * torch.exp2(-codes.to(torch.float32) / LOG_STEPS_PER_OCTAVE)
-    return torch.where(codes == ZERO_CODE, 0.0, scales)
+    return decode_log_scales(gather_rows(encode_log_scales(scales), group, stats)).mean(0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,15 +22,15 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.layout import GOLDEN, MASK64, SignSegments, mix64, words_for
-from ..kernels.torch_ops import popcount64
+from ...kernels.layout import GOLDEN, MASK64, SignSegments, mix64, words_for
+from ...kernels.torch_ops import popcount64
 from .faults import ByzantineFault
 from .wire import FLAG_ZERO_PLANE as ZERO_PLANE
 from .wire import FLAG_ZERO_RUNS as ZERO_RUNS
 from .wire import Plan
 from .zero_codes import ZEROS_SENT, clear_bits, extra_of, list_positions, plane_of, zero_codes
 
-__all__ = ["EncodedRows", "MomentumStep", "SignEncoding", "call_key"]
+__all__ = ["EncodedRows", "MomentumStep", "SignEncoding", "VoteCall", "call_key"]
 
 ZERO_COIN_SALT = 0x5A45524F434F494E  # "ZEROCOIN": the zero rule's coins differ from the tie coins
 
@@ -49,6 +49,16 @@ class MomentumStep:
     grad: torch.Tensor  # flat, shaped like the buffer
     weight: float  # 1 - beta
     skip: torch.Tensor  # 0-d bool: the gradient holds NaN or Inf, the momentum stays
+
+
+@dataclass(frozen=True)
+class VoteCall:
+    """What one vote tells its encoding besides the config (the arguments of ``VoteWork``)."""
+
+    step: int
+    segments: SignSegments | None
+    first_entry: int
+    momentum: MomentumStep | None
 
 
 @dataclass
@@ -95,6 +105,21 @@ class SignEncoding:
     ) -> None:
         self.kernels, self.tie, self.key, self.segments, self.fault = kernels, tie, call_key, segments, fault
         self.first_entry, self.zeros, self.momentum = first_entry, zeros, momentum
+
+    @classmethod
+    def for_vote(cls, config, kernels: ModuleType, call: VoteCall) -> SignEncoding:
+        """The encoding of one vote with ``config`` (a ``VoteConfig``): its tie and zero rules,
+        coins keyed by its seed and the call's step, its faults."""
+        return cls(
+            kernels,
+            config.tie,
+            call_key(config.seed, call.step),
+            call.segments,
+            config.fault,
+            call.first_entry,
+            zeros=config.zeros,
+            momentum=call.momentum,
+        )
 
     def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan:
         words = words_for(numel)

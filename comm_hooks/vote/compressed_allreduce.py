@@ -1,0 +1,64 @@
+"""The all-reduce of error-feedback scaled signs (1-bit Adam's compression): the DeepSpeed
+backend's ``compressed_allreduce`` and the ``"scaled_sign"`` rounds, the
+:class:`~signmuon.comm_hooks.vote.encodings.ScaledSignEncoding` moved by the exchange."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..dist import CommStats, group_size_rank
+from ..kernels import kernels_for
+from .encodings import ScaledSignEncoding, error_buffer_sizes
+from .exchange import ExchangeWork
+
+__all__ = ["scaled_sign_allreduce"]
+
+
+def scaled_sign_allreduce(
+    tensor: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    kernels: str = "auto",
+    nonfinite: str = "skip",
+    stats: CommStats | None = None,
+    label: str = "scaled_sign_allreduce",
+) -> torch.Tensor:
+    """Average ``tensor`` over ``group`` at one bit per entry with error feedback, in place.
+
+    Phase 1 (worker): add ``worker_error``, compress to ``scale * sign``, keep the residual in
+    ``worker_error``; rank r receives chunk r of everyone's signs and averages them. Phase 2
+    (server): add ``server_error``, compress again, keep that residual; every rank receives
+    every chunk. The buffers (zeros at the first call) have the sizes of
+    :func:`error_buffer_sizes`; ``kernels`` and ``nonfinite`` are :class:`VoteConfig`'s.
+    """
+    world_size, _ = group_size_rank(group)
+    padded, chunk = error_buffer_sizes(tensor.numel(), world_size)
+    if worker_error.numel() < padded or worker_error.numel() % (8 * world_size):
+        raise ValueError(
+            f"worker_error has {worker_error.numel()} entries; it needs at least {tensor.numel()} (the tensor's) "
+            f"and a multiple of 8 * world size = {8 * world_size}"
+        )
+    padded = worker_error.numel()
+    if server_error.numel() != padded // world_size:
+        raise ValueError(
+            f"server_error has {server_error.numel()} entries; it needs worker_error's / world size = {padded // world_size}"
+        )
+    flat = torch.zeros(padded, dtype=worker_error.dtype, device=worker_error.device)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    encoding = ScaledSignEncoding(kernels_for(flat.device, kernels), worker_error.view(-1), server_error.view(-1))
+    result = torch.empty_like(flat)
+    ExchangeWork(
+        encoding,
+        flat,
+        group,
+        out=result,
+        two_phase=True,
+        stats=stats,
+        nonfinite=nonfinite,
+        label=label,
+    ).wait()
+    tensor.copy_(result[: tensor.numel()].view(tensor.shape))
+    return tensor
