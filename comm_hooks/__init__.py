@@ -2,11 +2,11 @@
 
 Layers, each importing only those before it: ``kernels`` (pack, vote, unpack per device),
 ``dist`` (process-group basics, statistics, errors, the mean all-reduce), ``vote`` (settings,
-encodings, the exchange, the collective, the node-aware schedule), then the DDP adapters in
+encodings, the transport, the collective, the node-aware schedule), then the DDP adapters in
 this folder (hook states, hooks, the backward reducer).
 """
 
-from .allreduce import allreduce_hook, allreduce_mean
+from .allreduce import allreduce_hook, allreduce_mean, mean_all_reduce_future
 from .backward_reducer import BackwardReducer
 from .dist import (
     CommStats,
@@ -51,6 +51,7 @@ __all__ = [
     "WorkerDirections",
     "allreduce_hook",
     "allreduce_mean",
+    "mean_all_reduce_future",
     "check_replicas",
     "majority_vote",
     "majority_vote_async",

@@ -2,6 +2,7 @@
 for a non-finite mean. The baseline every benchmark measures the vote against."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -9,10 +10,10 @@ import torch.distributed as dist
 
 from .dist import CommStats, NonFiniteError, mean_all_reduce, nonfinite_flag
 
-__all__ = ["allreduce_mean", "allreduce_hook"]
+__all__ = ["allreduce_hook", "allreduce_mean", "mean_all_reduce_future"]
 
 
-def allreduce_mean(
+def mean_all_reduce_future(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
@@ -68,4 +69,15 @@ def allreduce_hook(state: CommStats, bucket: dist.GradBucket) -> torch.futures.F
 
     The fp32 baseline the benchmarks measure the vote against: ``model.register_comm_hook(CommStats(), allreduce_hook)``.
     """
-    return allreduce_mean(bucket.buffer(), None, state)
+    return mean_all_reduce_future(bucket.buffer(), None, state)
+
+
+def allreduce_mean(*args, **options) -> torch.futures.Future[torch.Tensor]:
+    """The name :func:`mean_all_reduce_future` had until signmuon 0.1; it goes in 0.3."""
+    warnings.warn(
+        "allreduce_mean is now mean_all_reduce_future (signmuon.comm_hooks), the same call; "
+        "the old name is removed in signmuon 0.3",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return mean_all_reduce_future(*args, **options)

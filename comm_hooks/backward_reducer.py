@@ -9,7 +9,7 @@ ready is copied into its flat buffer and handed to the hook, buckets are handed 
 order (the same sequence of collectives on every rank), and once backward is done every future
 is waited for and its result written back into ``param.grad``. So after ``loss.backward()``
 the gradients hold the reduced values, exactly as under DDP, and the hook's own pipelining
-(``VoteHookState``: the second exchange of one bucket overlaps the next bucket) works unchanged.
+(``VoteHookState``: the second transport step of one bucket overlaps the next bucket) works unchanged.
 
 Gradient accumulation: ``sync`` says whether the current backward ends an accumulation window
 (DeepSpeed: ``engine.is_gradient_accumulation_boundary``); backward passes before it only

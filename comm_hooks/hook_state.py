@@ -34,7 +34,7 @@ class VoteHookState:
             ``nonfinite``: when any rank's bucket holds NaN or Inf, ``"skip"`` gives every rank a
             zero gradient for that bucket, counted in ``stats.skipped``, and ``"raise"`` raises
             ``NonFiniteError`` on every rank naming the ranks and the bucket; learnt in the
-            vote's first exchange at no extra round trip; a rank whose own gradient is
+            vote's first transport step at no extra round trip; a rank whose own gradient is
             non-finite leaves its momentum untouched).
         check_replicas_every: every this many iterations (0 = never), each bucket's parameters
             are compared across ranks (a checksum all-gather) before voting; a divergence

@@ -1,5 +1,5 @@
 """The votes of one backward pass still in flight (:class:`VotePipeline`): what lets a DDP hook
-overlap a bucket's exchange with the next bucket's backward."""
+overlap a bucket's transport with the next bucket's backward."""
 
 import collections
 from collections.abc import Callable
@@ -16,7 +16,7 @@ class VotePipeline:
     """The votes of one backward pass still in flight, oldest first, advanced a stage at a time.
 
     Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
-    issues the same sequence; a vote's second exchange thus overlaps the next bucket's
+    issues the same sequence; a vote's second transport step thus overlaps the next bucket's
     backward. A ``NonFiniteError`` (raised on every rank alike) goes to ``defer`` and the bucket
     is zeroed; any other error fails every pending future, so DDP never waits forever.
     """
@@ -38,7 +38,7 @@ class VotePipeline:
         remaining: collections.deque = collections.deque()
         try:
             for work, fut, finish in self._pending:
-                if drain or work.exchanged:
+                if drain or work.advanced:
                     voted = self._advance(work, to_end=True)
                     fut.set_result(voted if finish is None else finish(voted))
                 else:
@@ -54,7 +54,7 @@ class VotePipeline:
 
     def _advance(self, work, to_end: bool) -> torch.Tensor | None:
         try:
-            return work.wait() if to_end else work.exchange()
+            return work.wait() if to_end else work.advance()
         except NonFiniteError as error:  # raised on every rank alike; the work is now skipped
             self._defer(error)
             return work.wait() if to_end else None

@@ -20,10 +20,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .allreduce import allreduce_mean
+from .allreduce import mean_all_reduce_future
 from .dist import flatten, unflatten_into
 from .hook_state import VoteHookState
-from .vote import NodeLayout, OwnedVoteWork, VoteConfig, world_mean
+from .vote import NodeLayout, OwnedVoteWork, VoteConfig, mean_node_aware
 
 __all__ = ["SignMuonHookState", "sign_muon_hook", "WorkerDirections"]
 
@@ -146,13 +146,13 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
         return state.vote(bucket, grad, out=grad)
     if not any(voted):
         state.pending.advance(drain=bucket.is_last())  # earlier buckets' votes must still finish
-        fut = allreduce_mean(grad, state.process_group, state.stats, None)  # SignMuon's AdamW path checks
+        fut = mean_all_reduce_future(grad, state.process_group, state.stats, None)  # SignMuon's AdamW path checks
         state.maybe_increase_iter(bucket)
         return fut
     # A bucket mixing both kinds: vote one part, all-reduce the other, both issued now.
     averaged = [g for g, v in zip(grads, voted) if not v]
     flat_avg = flatten(averaged)
-    avg_fut = allreduce_mean(flat_avg, state.process_group, state.stats, None)  # in place
+    avg_fut = mean_all_reduce_future(flat_avg, state.process_group, state.stats, None)  # in place
     voters = [g for g, v in zip(grads, voted) if v]
     flat_vote = flatten(voters)
 
@@ -198,7 +198,7 @@ def _node_aware(
     averaged = [grads[j] for j, v in enumerate(voted) if not v]
     if averaged:
         flat = flatten(averaged)
-        world_mean(flat, layout, state.stats)  # SignMuon's AdamW path checks finiteness
+        mean_node_aware(flat, layout, state.stats)  # SignMuon's AdamW path checks finiteness
         unflatten_into(flat, averaged)
     grad = bucket.buffer()
     if work is not None:

@@ -22,7 +22,7 @@ the bare hook, or use ``signmuon.optim.SignumMV`` / ``SignSGDMV`` / ``SignMuon``
 take the sign of what the vote left in ``.grad`` and so ignore any positive rescaling.
 
 Host synchronisations per bucket on a GPU: one in the common case, two at most. The first reads
-the headers of the vote's first exchange (they decide the NaN/Inf skip and the sizes of the
+the headers of the vote's first transport step (they decide the NaN/Inf skip and the sizes of the
 optional zero lists); only where zeros travel, or ties vote 0 (``tie="exact"``, an even number of
 ranks), a second reads the voted result's zero codes. Until the first vote (and after a load),
 one more per iteration agrees on the iteration counter; later the headers carry it. Signum's
@@ -38,7 +38,7 @@ only the slice of it that it votes (1/L of the bucket, L ranks per node).
 import torch
 import torch.distributed as dist
 
-from .allreduce import allreduce_mean
+from .allreduce import mean_all_reduce_future
 from .dist import group_size_rank, nonfinite_flag
 from .hook_state import VoteHookState
 from .vote import MomentumStep, VoteConfig, merge_in_node, node_slice
@@ -231,7 +231,7 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     state.begin_bucket(bucket)
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
-        return allreduce_mean(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
+        return mean_all_reduce_future(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
     if state.momentum == 0:
         return state.vote(bucket, grad, out=grad)
     if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it

@@ -23,7 +23,7 @@ from .dist import (
     split_like,
 )
 from .kernels.layout import SignSegments
-from .vote import NodeLayout, OwnedVoteWork, VoteConfig, majority_vote, node_layout, world_mean
+from .vote import NodeLayout, OwnedVoteWork, VoteConfig, majority_vote, mean_node_aware, node_layout
 
 __all__ = ["StepVoter"]
 
@@ -144,7 +144,7 @@ class StepVoter:
         flat = flatten(grads)
         layout = self.layout()
         if layout is not None:
-            world_mean(flat, layout, self.stats)
+            mean_node_aware(flat, layout, self.stats)
         else:
             self.stats.calls += 1
             mean_all_reduce(flat, self.group, self.stats)

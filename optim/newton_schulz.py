@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["newton_schulz", "MUON_COEFFICIENTS", "NS_PRECISIONS", "as_matrix"]
+__all__ = ["MUON_COEFFICIENTS", "NS_PRECISIONS", "as_matrix", "assign_owners", "newton_schulz", "newton_schulz_cost"]
 
 NS_PRECISIONS = {
     "float32": (torch.float32, "highest"),
@@ -105,3 +106,25 @@ def _matmul_precision(precision: str | None):
         yield
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def newton_schulz_cost(param: torch.Tensor) -> float:
+    """Newton–Schulz's cost of a parameter (m*n*min(m, n) for a matrix, its size otherwise): what
+    :func:`assign_owners` balances."""
+    if param.dim() < 2:
+        return float(param.numel())
+    rows, cols = param.shape[0], param.numel() // param.shape[0]
+    return float(rows * cols * min(rows, cols))
+
+
+def assign_owners(costs: Sequence[float], ranks_per_node: int) -> list[int]:
+    """Where Newton–Schulz runs in the node-aware vote: the local rank that owns each item
+    (cost :func:`newton_schulz_cost`): largest cost first, to the least loaded rank (ties:
+    lowest rank). Deterministic, so every rank computes the same assignment."""
+    load = [0.0] * ranks_per_node
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks_per_node), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner

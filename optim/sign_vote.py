@@ -27,11 +27,11 @@ from signmuon.comm_hooks import (
     sign_muon_hook,
 )
 from signmuon.comm_hooks.dist import nonfinite_flag
-from signmuon.comm_hooks.vote import matrix_cost, owners
 
 from .checkpoint import keep_saved_dtypes
 from .exchanges import Exchange, HookExchange, InStepExchange
 from .functional import signum_direction
+from .newton_schulz import assign_owners, newton_schulz_cost
 from .params import local_tensor, refuse_sparse, refuse_sparse_gradients, state_dtype
 
 __all__ = ["SignVoteOptimizer"]
@@ -239,7 +239,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         rank, every step and after a restart."""
         if self._owners is None or self._owners[0] != ranks_per_node:
             voted = [p for g in self.param_groups for p in g["params"] if self.votes(p)]
-            assigned = owners([matrix_cost(p) for p in voted], ranks_per_node)
+            assigned = assign_owners([newton_schulz_cost(p) for p in voted], ranks_per_node)
             self._owners = (ranks_per_node, dict(zip(voted, assigned)))
         return self._owners[1][param]
 

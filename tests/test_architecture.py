@@ -81,12 +81,12 @@ LIBRARY = sorted(
 def test_the_walk_sees_the_whole_package():
     assert len(LIBRARY) > 40
     assert _layer_of_module("signmuon.comm_hooks.vote.encodings.sign") == 2
-    assert _layer_of_module("signmuon.comm_hooks.vote.exchange") == 3
+    assert _layer_of_module("signmuon.comm_hooks.vote.transport") == 3
     assert _layer_of_module("signmuon.comm_hooks.allreduce") == 4
     assert _layer_of_module("signmuon.optim") == 5
-    assert _layer_of_path(ROOT / "comm_hooks/vote/exchange.py") == 3
+    assert _layer_of_path(ROOT / "comm_hooks/vote/transport.py") == 3
     # A relative import one level up from a vote module lands in comm_hooks (the hooks layer).
-    assert "signmuon.comm_hooks.dist" in {m for _, m in _imports(ROOT / "comm_hooks/vote/exchange.py")}
+    assert "signmuon.comm_hooks.dist" in {m for _, m in _imports(ROOT / "comm_hooks/vote/transport.py")}
 
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -137,7 +137,7 @@ def test_only_the_benchmarks_own_tests_import_the_benchmarks():
 COLLECTIVE_OWNERS = {
     "comm_hooks/dist/groups.py",
     "comm_hooks/dist/tensors.py",
-    "comm_hooks/vote/exchange.py",
+    "comm_hooks/vote/transport.py",
     "optim/checkpoint.py",
     "benchmarks/bandwidth.py",
     "benchmarks/launch.py",

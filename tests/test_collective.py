@@ -415,3 +415,12 @@ def test_the_old_name_of_vote_work_warns_and_votes_the_same():
     with pytest.warns(DeprecationWarning, match="VoteWork"):
         work = majority_vote_async(x.clone())
     assert isinstance(work, VoteWork) and torch.equal(work.wait(), majority_vote(x.clone()))
+
+
+def test_the_old_name_of_the_mean_all_reduce_future_warns_and_averages_the_same():
+    from signmuon.comm_hooks import allreduce_mean, mean_all_reduce_future
+
+    x = torch.randn(10)
+    with pytest.warns(DeprecationWarning, match="mean_all_reduce_future"):
+        old = allreduce_mean(x.clone(), None).wait()
+    assert torch.equal(old, mean_all_reduce_future(x.clone(), None).wait())

@@ -181,10 +181,10 @@ def _staged_worker(rank, world_size):
         ]
         stages = []
         for work in works:
-            work.exchange()
-            stages.append(work.exchanged)  # the first stage only started the rail vote
-            work.exchange()
-            stages.append(work.exchanged)
+            work.advance()
+            stages.append(work.advanced)  # the first stage only started the rail vote
+            work.advance()
+            stages.append(work.advanced)
         voted = [w.wait() for w in works]
         alone = [
             NodeVoteWork(x.clone(), layout, VoteConfig(hierarchical=True), out=torch.empty(1000)).wait() for x in xs
@@ -238,10 +238,10 @@ def _owned_staged_worker(rank, world_size):
             tag=7,
         )
         before = list(calls)
-        work.exchange()
-        after_first = (list(calls), work.exchanged)
-        work.exchange()
-        exchanged = work.exchanged
+        work.advance()
+        after_first = (list(calls), work.advanced)
+        work.advance()
+        exchanged = work.advanced
         work.wait()
     finally:
         dist.all_reduce = all_reduce
@@ -528,7 +528,7 @@ def test_config_fields_validate_and_come_from_a_deepspeed_vote_section():
 
 
 def test_owners_balance_cost_and_are_deterministic():
-    from signmuon.comm_hooks.vote import owners
+    from signmuon.optim.newton_schulz import assign_owners as owners
 
     costs = [100.0, 60.0, 50.0, 10.0, 10.0]
     assert owners(costs, 2) == [0, 1, 1, 0, 0] == owners(list(costs), 2)

@@ -1,4 +1,4 @@
-"""The vote: its settings, the sign encoding, the exchange that moves encoded shards, the
+"""The vote: its settings, the sign encoding, the transport that moves encoded shards, the
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
@@ -9,12 +9,10 @@ from .node_vote import (
     NodeVoteWork,
     OwnedVoteWork,
     gather_in_node,
-    matrix_cost,
+    mean_in_node,
+    mean_node_aware,
     merge_in_node,
-    node_mean,
     node_slice,
-    owners,
-    world_mean,
 )
 from .packing import pack_nonzero, pack_planes, pack_planes_checked, pack_signs, packed_size, unpack_signs
 from .topology import NodeLayout, node_layout
@@ -36,12 +34,10 @@ __all__ = [
     "gather_in_node",
     "majority_vote",
     "majority_vote_async",
-    "matrix_cost",
     "merge_in_node",
     "node_layout",
-    "node_mean",
+    "mean_in_node",
     "node_slice",
-    "owners",
     "pack_nonzero",
     "pack_planes",
     "pack_planes_checked",
@@ -50,5 +46,5 @@ __all__ = [
     "scaled_sign_allreduce",
     "unpack_signs",
     "vote_bytes_per_rank",
-    "world_mean",
+    "mean_node_aware",
 ]

@@ -1,7 +1,7 @@
 """The 1-bit majority-vote collective: every rank ends with ``sign(sum_i sign(v_i))``.
 
 The schedule (all-to-all of packed shards, a vote per shard, all-gather of the voted shards;
-or one all-gather for two ranks) is ``exchange``'s; what a shard holds
+or one all-gather for two ranks) is ``transport``'s; what a shard holds
 (the ``positive`` plane, zero lists, runs or planes when there are zeros, tie-break coins) is
 ``encoding``'s. Bytes one rank sends in the dense case (M ranks,
 n entries, W = ceil(n/64) words, S = ceil(W/M)):
@@ -32,8 +32,8 @@ from ..kernels import kernels_for
 from ..kernels.layout import SignSegments, words_for
 from .config import VoteConfig
 from .encodings import VOTE_ENCODINGS, MomentumStep, VoteCall
-from .exchange import ExchangeWork, default_two_phase, exchange_bytes_per_rank
 from .packing import check_float
+from .transport import TransportWork, default_two_phase, transport_bytes_per_rank
 
 __all__ = ["VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank"]
 
@@ -44,14 +44,14 @@ def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto", ag
     two_phase = default_two_phase(algorithm, world_size)
     words = words_for(numel)
     shard = -(-words // world_size) if two_phase else words
-    return exchange_bytes_per_rank(shard, world_size, two_phase, agree_sizes)
+    return transport_bytes_per_rank(shard, world_size, two_phase, agree_sizes)
 
 
-class VoteWork(ExchangeWork):
-    """One majority vote in flight: :class:`ExchangeWork` with the encoding ``config.encoding``
+class VoteWork(TransportWork):
+    """One majority vote in flight: :class:`TransportWork` with the encoding ``config.encoding``
     names (``VOTE_ENCODINGS``; the sign encoding by default).
 
-    ``VoteWork(...)`` packs and starts the first exchange; :meth:`exchange` waits for it, votes
+    ``VoteWork(...)`` packs and starts the first transport step; :meth:`advance` waits for it, votes
     the local shard and starts the second; :meth:`wait` finishes and returns the voted tensor.
     Every collective is issued by the thread that calls these methods, in call order: gloo
     pairs collectives by issue order, so a collective issued from a future's callback thread

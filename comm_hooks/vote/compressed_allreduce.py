@@ -1,6 +1,6 @@
 """The all-reduce of error-feedback scaled signs (1-bit Adam's compression): the DeepSpeed
 backend's ``compressed_allreduce`` and the ``"scaled_sign"`` rounds, the
-:class:`~signmuon.comm_hooks.vote.encodings.ScaledSignEncoding` moved by the exchange."""
+:class:`~signmuon.comm_hooks.vote.encodings.ScaledSignEncoding` moved by the transport."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..dist import CommStats, group_size_rank
 from ..kernels import kernels_for
 from .encodings import ScaledSignEncoding, error_buffer_sizes
-from .exchange import ExchangeWork
+from .transport import TransportWork
 
 __all__ = ["scaled_sign_allreduce"]
 
@@ -50,7 +50,7 @@ def scaled_sign_allreduce(
     flat[: tensor.numel()] = tensor.reshape(-1)
     encoding = ScaledSignEncoding(kernels_for(flat.device, kernels), worker_error.view(-1), server_error.view(-1))
     result = torch.empty_like(flat)
-    ExchangeWork(
+    TransportWork(
         encoding,
         flat,
         group,

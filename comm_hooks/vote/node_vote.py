@@ -7,7 +7,7 @@ With N nodes of L ranks (``topology``), per tensor of n entries::
        and (optional) advances its momentum of those entries only: L local ranks keep one
        momentum between them
     3. local rank l votes its entries with the ranks of local index l on the other nodes
-       (its *rail*): the vote's own exchange, N voters
+       (its *rail*): the vote's own transport, N voters
     4. all-gather inside the node of the voted slices (int8, one byte per entry)
 
 The voters are the N nodes, each voting the sign of its mean gradient. Bytes that cross
@@ -44,11 +44,9 @@ __all__ = [
     "OwnedVoteWork",
     "gather_in_node",
     "merge_in_node",
-    "node_mean",
+    "mean_in_node",
     "node_slice",
-    "owners",
-    "world_mean",
-    "matrix_cost",
+    "mean_node_aware",
 ]
 
 
@@ -59,26 +57,26 @@ def node_slice(n: int, layout: NodeLayout) -> tuple[int, int]:
     return lo, min(n, lo + c)
 
 
-def node_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
+def mean_in_node(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
     """In place: ``flat`` becomes the mean over this rank's node (full precision)."""
-    work = _start_node_mean(flat, layout, stats)
+    work = _start_mean_in_node(flat, layout, stats)
     if work is not None:
         work.wait()
     return flat
 
 
-def _start_node_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None):
-    """Start :func:`node_mean`; its work handle (None where there is nothing to wait for)."""
+def _start_mean_in_node(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None):
+    """Start :func:`mean_in_node`; its work handle (None where there is nothing to wait for)."""
     if layout.node_group is None or layout.ranks_per_node == 1:
         return None
     return mean_all_reduce(flat, layout.node_group, stats, inside_node=True, async_op=True)
 
 
-def world_mean(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
+def mean_node_aware(flat: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
     """In place: the mean over every rank, in full precision, node-aware (node all-reduce, each
     local rank's slice all-reduced on its rail, slices gathered in the node)."""
     n, N = flat.numel(), layout.nodes
-    node_mean(flat, layout, stats)
+    mean_in_node(flat, layout, stats)
     lo, hi = node_slice(n, layout)
     piece = torch.zeros(-(-n // layout.ranks_per_node), dtype=flat.dtype, device=flat.device)
     piece[: hi - lo] = flat[lo:hi]
@@ -108,15 +106,6 @@ def merge_in_node(values: torch.Tensor, held: torch.Tensor, layout: NodeLayout, 
         stats.add(ring, ring, inside_node=True)
 
 
-def matrix_cost(param: torch.Tensor) -> float:
-    """Newton–Schulz's cost of a parameter (m*n*min(m, n) for a matrix, its size otherwise): what
-    :func:`owners` balances."""
-    if param.dim() < 2:
-        return float(param.numel())
-    rows, cols = param.shape[0], param.numel() // param.shape[0]
-    return float(rows * cols * min(rows, cols))
-
-
 def gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | None) -> torch.Tensor:
     """[L, k]: every local rank's ``pieces`` ([k], the same k and dtype everywhere)."""
     if layout.node_group is None or layout.ranks_per_node == 1:
@@ -125,7 +114,7 @@ def gather_in_node(pieces: torch.Tensor, layout: NodeLayout, stats: CommStats | 
 
 
 class _RailStages:
-    """The stages the node-aware works share: the first :meth:`exchange` waits for the node
+    """The stages the node-aware works share: the first :meth:`advance` waits for the node
     mean and starts the rail vote (the subclass's ``_start_rail``), the next advance it."""
 
     __slots__ = ("_rail",)
@@ -134,14 +123,14 @@ class _RailStages:
         raise NotImplementedError
 
     @property
-    def exchanged(self) -> bool:
-        return self._rail is not None and self._rail.exchanged
+    def advanced(self) -> bool:
+        return self._rail is not None and self._rail.advanced
 
-    def exchange(self) -> None:
+    def advance(self) -> None:
         if self._rail is None:
             self._start_rail()
         else:
-            self._rail.exchange()
+            self._rail.advance()
 
     def _rail_result(self) -> torch.Tensor:
         """Finish the rail vote (starting it first if no stage has): this rank's voted tensor."""
@@ -154,7 +143,7 @@ class NodeVoteWork(_RailStages):
     """One node-aware vote in flight, advanced in stages like :class:`VoteWork`.
 
     ``NodeVoteWork(...)`` starts averaging ``tensor`` inside the node (in place, asynchronously);
-    each :meth:`exchange` moves it one stage on: the first waits for the node mean and starts
+    each :meth:`advance` moves it one stage on: the first waits for the node mean and starts
     this rank's rail vote of its slice, the second advances that vote; :meth:`wait` finishes
     whatever is left and gathers the node's slices into ``out``. So in a DDP hook the node's
     all-reduce of one bucket runs while backward computes the next, as DDP's own does. With
@@ -198,7 +187,7 @@ class NodeVoteWork(_RailStages):
         if momentum is not None and momentum[0].numel() != hi - lo:
             raise ValueError(f"the momentum slice has {momentum[0].numel()} entries; this rank votes {hi - lo}")
         self._mean, self._rail = flat, None
-        self._averaging = _start_node_mean(flat, layout, stats)
+        self._averaging = _start_mean_in_node(flat, layout, stats)
         self._config, self._momentum = config.rail, momentum
         self._vote_args = dict(
             step=step,
@@ -245,26 +234,14 @@ class NodeVoteWork(_RailStages):
         return self._out
 
 
-def owners(costs: Sequence[float], ranks_per_node: int) -> list[int]:
-    """The local rank that owns each item: largest cost first, to the least loaded rank (ties:
-    lowest rank). Deterministic, so every rank computes the same assignment."""
-    load = [0.0] * ranks_per_node
-    owner = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(ranks_per_node), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += costs[i]
-    return owner
-
-
 class OwnedVoteWork(_RailStages):
     """A node-aware vote of per-tensor directions that need whole tensors, in flight, advanced
     in stages like :class:`NodeVoteWork`; results go into ``grads``.
 
     ``grads`` are this rank's gradients (overwritten with the voted signs when it finishes).
     ``OwnedVoteWork(...)`` starts averaging them inside the node (asynchronously, one
-    all-reduce of them all); the first :meth:`exchange` waits for the mean and lets each
-    tensor's owner (``owner[i]``, the same on every rank and every call, e.g. :func:`owners`
+    all-reduce of them all); the first :meth:`advance` waits for the mean and lets each
+    tensor's owner (``owner[i]``, the same on every rank and every call, e.g. :func:`~signmuon.optim.newton_schulz.assign_owners`
     over all of an optimizer's parameters) alone call ``directions(i, node_mean_i)``
     (advancing its momentum), then starts the vote of the owned directions, concatenated, on
     this rank's rail; the second advances it; :meth:`wait` finishes and gathers the voted
@@ -306,7 +283,7 @@ class OwnedVoteWork(_RailStages):
         self._layout, self._config, self._stats = layout, config, stats
         self._vote_args = dict(step=step, label=label, tag=tag)
         self._flat = flatten(self._grads)  # [n] all of them, for one node all-reduce
-        self._averaging = _start_node_mean(self._flat, layout, stats)
+        self._averaging = _start_mean_in_node(self._flat, layout, stats)
         self._rail, self._done = None, False
 
     def _start_rail(self) -> None:

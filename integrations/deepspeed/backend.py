@@ -4,8 +4,8 @@ DeepSpeed's 1-bit Adam / 0/1 Adam / 1-bit LAMB called ``backend.compressed_allre
 buffer_m, worker_error, server_error, local_rank)``: an error-feedback, scaled-sign
 all-reduce in two phases (its ``NcclBackend`` and ``MpiBackend``, removed in 0.19.8). This
 backend keeps that contract on any torch process group (gloo or NCCL, including DeepSpeed's
-groups, which are torch groups), on the same exchange as the majority vote
-(``signmuon.comm_hooks.vote.exchange.ExchangeWork`` with ``ScaledSignEncoding``), and adds the vote itself
+groups, which are torch groups), on the same transport as the majority vote
+(``signmuon.comm_hooks.vote.transport.TransportWork`` with ``ScaledSignEncoding``), and adds the vote itself
 as :meth:`majority_vote`.
 """
 
@@ -64,10 +64,10 @@ class SignCompressedBackend:
         """Average ``buffer_m`` over the ranks at one bit per entry, with error feedback.
 
         Phase 1 (worker): add ``worker_error``, compress to ``scale * sign``, keep the residual
-        in ``worker_error``; the exchange's all-to-all gives rank r chunk r of everyone's signs
+        in ``worker_error``; the transport's all-to-all gives rank r chunk r of everyone's signs
         (scales in the headers), which it averages (the "server" part).
         Phase 2 (server): add ``server_error``, compress again, keep that residual in
-        ``server_error``; the exchange's all-gather gives everyone every chunk and its scale.
+        ``server_error``; the transport's all-gather gives everyone every chunk and its scale.
 
         Args:
             buffer_m: the tensor to average (any shape); overwritten with the result and returned.

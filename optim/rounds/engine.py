@@ -31,7 +31,7 @@ from ..params import local_tensor
 from .consensus import Consensus, check_shards, round_flags
 from .dppf import pull_push, worker_distances
 from .outer_step import OuterStep
-from .rails import average_over_nodes
+from .rails import mean_between_nodes
 
 __all__ = ["DISTANCES", "DPPFAverager", "LocalStepAverager"]
 
@@ -212,7 +212,7 @@ class LocalStepAverager(ModelAverager):
         if self.consensus is not None:
             targets = self.consensus.advance(flats, self.stats)
         else:  # x_bar (torch's order: divide, then sum)
-            targets = [average_over_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
+            targets = [mean_between_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
         per_tensor = self.distance == "tensor"
         for tensors, flat, target in zip(groups, flats, targets):
             distances += pull_push(tensors, flat, target, self.pull, self.push, self.eps, per_tensor=per_tensor)

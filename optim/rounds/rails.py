@@ -11,7 +11,7 @@ from signmuon.comm_hooks import CommStats, NodeLayout
 from signmuon.comm_hooks.dist import mean_all_reduce
 from signmuon.comm_hooks.vote import gather_in_node
 
-__all__ = ["average_over_nodes", "gather_slices", "rail_bounds", "rail_group"]
+__all__ = ["mean_between_nodes", "gather_slices", "rail_bounds", "rail_group"]
 
 
 def rail_bounds(numel: int, layout: NodeLayout | None) -> tuple[int, int, int]:
@@ -38,7 +38,7 @@ def rail_group(group: dist.ProcessGroup | None, layout: NodeLayout | None) -> di
     return layout.rail_group if layout is not None else group
 
 
-def average_over_nodes(
+def mean_between_nodes(
     flat: torch.Tensor, group: dist.ProcessGroup | None, layout: NodeLayout | None, stats: CommStats | None
 ) -> torch.Tensor:
     """The mean of ``flat`` over the workers: over ``group``, or node-aware (each rank's slice over

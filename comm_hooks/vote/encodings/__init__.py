@@ -1,4 +1,4 @@
-"""Encodings: how a rank's tensor becomes the words the exchange moves, how a shard's senders
+"""Encodings: how a rank's tensor becomes the words the transport moves, how a shard's senders
 combine, and how the result decodes. Each implements the ``Encoding`` protocol of
 :mod:`.wire` (``plan``, ``encode``, ``reduce``, ``decode``, ``plain_result``), whose header table
 also names the flags each may use. Imports ``kernels`` and ``dist`` only.

@@ -1,4 +1,4 @@
-"""Error-feedback scaled signs (1-bit Adam's compression) as an encoding of the exchange; the
+"""Error-feedback scaled signs (1-bit Adam's compression) as an encoding of the transport; the
 all-reduce built on it is :func:`~signmuon.comm_hooks.vote.scaled_sign_allreduce`."""
 
 from __future__ import annotations

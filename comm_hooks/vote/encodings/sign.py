@@ -4,7 +4,7 @@ A rank's shard of a tensor travels as its ``positive`` plane (one bit per entry)
 (a rank abstains where its entry is 0) travel only when there are any, as the cheapest of a
 zero list, zero runs (an embedding's rows of tokens absent from the batch, a dead unit's row)
 and a zero plane (``zero_codes``), decided per rank and shard from the counts and announced in
-the row's header (flag and length), so receivers size the extra exchange without a round trip. The voted shard's zeros
+the row's header (flag and length), so receivers size the extra transfer without a round trip. The voted shard's zeros
 (entries that are 0 on every voter, and ties in ``"exact"`` mode) travel back the same way.
 So a tensor with k zeros in r runs costs ``min(ceil(k/2), r, S)`` words more than the dense
 formula: never more than a second bit plane.
@@ -70,12 +70,12 @@ class EncodedRows:
     zero_planes: torch.Tensor | None  # int64 [parts, S], the source of the extras
 
     def extra(self, part: int, code: int) -> torch.Tensor:
-        """The extra of ``part`` whose header code (already read by the exchange) is ``code``."""
+        """The extra of ``part`` whose header code (already read by the transport) is ``code``."""
         return extra_of(self.zero_planes[part], code)
 
 
 class SignEncoding:
-    """The majority vote ``sign(sum_i sign(x_i))`` as an encoding for :class:`ExchangeWork`.
+    """The majority vote ``sign(sum_i sign(x_i))`` as an encoding for :class:`TransportWork`.
 
     Args:
         kernels: the kernel family (``kernels.kernels_for``).

@@ -1,24 +1,24 @@
-"""The wire format every encoded exchange shares: the header words, defined once, and the plan.
+"""The wire format every encoded transport shares: the header words, defined once, and the plan.
 
-Each row of an exchange's first step starts with ``HEADER_WORDS`` int64 words; the rows of its
+Each row of a transport's first step starts with ``HEADER_WORDS`` int64 words; the rows of its
 gather step (two-phase) with ``GATHER_HEADER_WORDS``:
 
 ====  ========  ==============================================================================
 word  name      meaning
 ====  ========  ==============================================================================
-0     code      bit 0 ``FLAG_NONFINITE``: this rank's input holds NaN or Inf (exchange);
+0     code      bit 0 ``FLAG_NONFINITE``: this rank's input holds NaN or Inf (transport);
                 bit 1 ``FLAG_ZERO_LIST``: the row's extra lists zero positions (encoding);
                 bit 2 ``FLAG_ZERO_PLANE``: the row's extra is a nonzero plane (encoding);
                 bit 3 ``FLAG_ZERO_RUNS``: the row's extra lists runs of zeros (encoding);
                 bits 4-6: free for encodings;
-                bit 7 ``FLAG_SENDS_EXTRA``: this rank sends an extra to some rank (exchange);
+                bit 7 ``FLAG_SENDS_EXTRA``: this rank sends an extra to some rank (transport);
                 bits 8-63: the length of the row's extra in words (:func:`extra_words`)
 1     value     an encoding's number (e.g. a float64 scale's bits)
 2     shape     entry count (bits 0-55) and dtype code (bits 56-63)
 3     tag       the caller's identity of the call (e.g. iteration and bucket)
 ====  ========  ==============================================================================
 
-Gather rows carry words 0 and 1. Encodings set bits 1-6 and the length; the exchange sets
+Gather rows carry words 0 and 1. Encodings set bits 1-6 and the length; the transport sets
 bits 0 and 7 and reads the length to size the variable step.
 """
 
@@ -109,7 +109,7 @@ class Encoded(Protocol):
 
 
 class Encoding(Protocol):
-    """What an encoding tells the exchange (see ``SignEncoding``)."""
+    """What an encoding tells the transport (see ``SignEncoding``)."""
 
     def plan(self, numel: int, world_size: int, rank: int, two_phase: bool) -> Plan: ...
 
@@ -126,6 +126,6 @@ class Encoding(Protocol):
 
     def plain_result(self, codes: list[int]) -> bool:
         """Whether every reduced part will carry code 0 and value 0, given that no rank sent an
-        extra: then the exchange skips reading step 3's headers (a host sync). It must answer
+        extra: then the transport skips reading step 3's headers (a host sync). It must answer
         alike on every rank: ``codes`` (the part this rank received) differ between ranks, their
         count (the voters) does not."""

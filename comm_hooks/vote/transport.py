@@ -1,4 +1,4 @@
-"""The exchange: how encoded shards travel, independent of what the encoding is.
+"""The transport: how encoded shards travel, independent of what the encoding is.
 
 Every collective in this package that reduces a tensor at a fraction of a bit per entry has
 the same schedule; an *encoding* (``encoding``) says what a shard
@@ -31,7 +31,7 @@ rank the same bucket layout), an :func:`agree` round first all-gathers a fixed-s
 entry count, dtype and tag, and raises :class:`VoteMismatchError` on every rank naming each
 rank's values. It is one tiny collective, hence one latency, per call.
 
-Reading the headers is the one host synchronisation per exchange step on a GPU: it decides the
+Reading the headers is the one host synchronisation per transport step on a GPU: it decides the
 sizes of the optional extras and the skip, which the host must know to issue the next
 collective. Step 3's headers are not read where what every rank learnt alike in step 1 says
 that no reduced part carries an extra: no rank sent one (each sender's ``FLAG_SENDS_EXTRA``), and
@@ -63,13 +63,13 @@ from .encodings.wire import (
     shape_word,
 )
 
-__all__ = ["ExchangeWork", "default_two_phase", "exchange_bytes_per_rank"]
+__all__ = ["TransportWork", "default_two_phase", "transport_bytes_per_rank"]
 
 
-class ExchangeWork:
+class TransportWork:
     """One encoded reduction in flight, advanced in stages by its caller.
 
-    ``ExchangeWork(...)`` encodes and starts step 1; :meth:`exchange` waits for it, reduces this
+    ``TransportWork(...)`` encodes and starts step 1; :meth:`advance` waits for it, reduces this
     rank's part and starts step 3; :meth:`wait` finishes and returns ``out``. A DDP hook
     interleaves the stages of consecutive buckets to overlap them with backward.
 
@@ -181,7 +181,7 @@ class ExchangeWork:
         """An empty extra: what a rank sends where it has none."""
         return torch.empty(0, dtype=torch.int64, device=self._device)
 
-    def _exchange_extras(self, lengths_from: list[int], mine: list[torch.Tensor], broadcast: bool) -> list:
+    def _send_extras(self, lengths_from: list[int], mine: list[torch.Tensor], broadcast: bool) -> list:
         """Variable-size all-to-all: ``mine[d]`` goes to rank d (or ``mine[0]`` to all if
         ``broadcast``); returns what each rank sent here (None where it sent nothing)."""
         M = self._plan.world_size
@@ -192,7 +192,7 @@ class ExchangeWork:
         pieces = list(recv.split(lengths_from))
         return [p if n else None for p, n in zip(pieces, lengths_from)]
 
-    def exchange(self) -> None:
+    def advance(self) -> None:
         """Wait for step 1, reduce this rank's part, start step 3."""
         if self._stage >= 1:
             return
@@ -222,10 +222,10 @@ class ExchangeWork:
         if any(h[0] & FLAG_SENDS_EXTRA for h in headers):  # the same decision on every rank
             if plan.two_phase:
                 mine = [enc.extra(d, sending[d]) if extra_words(sending[d]) else self._nothing() for d in range(M)]
-                extras = self._exchange_extras(lengths, mine, broadcast=False)
+                extras = self._send_extras(lengths, mine, broadcast=False)
             else:
                 own = enc.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
-                extras = self._exchange_extras(lengths, [own], broadcast=True)
+                extras = self._send_extras(lengths, [own], broadcast=True)
             start = self._time("wait_seconds", start)  # a blocking collective
         part = plan.rank if plan.two_phase else 0
         rows = self._recv[:, HEADER_WORDS:]
@@ -249,7 +249,7 @@ class ExchangeWork:
         """Finish (issuing any remaining collectives) and return the output tensor."""
         if self._stage == 2:
             return self._out
-        self.exchange()
+        self.advance()
         plan = self._plan
         if self._skipped:
             self._out.zero_()
@@ -268,7 +268,7 @@ class ExchangeWork:
             extras: list = [None] * plan.world_size
             if any(lengths):
                 own = self._reduced.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
-                extras = self._exchange_extras(lengths, [own], broadcast=True)
+                extras = self._send_extras(lengths, [own], broadcast=True)
             start = self._time("wait_seconds", start)
             rows = self._recv[:, GATHER_HEADER_WORDS:]
             self._encoding.decode(rows, codes, [h[1] for h in headers], extras, plan, self._out)
@@ -288,15 +288,15 @@ class ExchangeWork:
         return self._out
 
     @property
-    def exchanged(self) -> bool:
-        """Whether :meth:`exchange` has run (step 3, if any, is in flight)."""
+    def advanced(self) -> bool:
+        """Whether :meth:`advance` has run (step 3, if any, is in flight)."""
         return self._stage >= 1
 
     def is_completed(self) -> bool:
         return self._stage == 2
 
 
-def exchange_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool, agree_sizes: bool = True) -> int:
+def transport_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool, agree_sizes: bool = True) -> int:
     """Bytes one rank sends per call when no extras travel (the dense formula), with the
     agreement round's ``AGREE_FIELDS`` words per peer unless ``agree_sizes`` is off."""
     if world_size == 1:
