@@ -22,6 +22,14 @@ LAYERS = [
     "comm_hooks",
     "optim",
     "integrations",
+    "benchmarks/cost",
+    "benchmarks/methods",
+    "benchmarks/runtime",
+    "benchmarks/workloads",
+    "benchmarks/reports",
+    "benchmarks/runs",
+    "benchmarks/netem",
+    "benchmarks/commands",
     "benchmarks",
 ]
 REFERENCE = "signmuon.comm_hooks.kernels.reference"
@@ -247,3 +255,18 @@ def test_no_two_library_modules_import_each_other():
     still two modules that cannot be read apart."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not _cycles(_import_graph()), _cycles(_import_graph())
+
+
+BENCHMARKS = sorted((ROOT / "benchmarks").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_command_module_is_imported_as_a_library(path):
+    """Commands share code through the groups below them; a command reaches another only as a
+    command (``commands.load``), and nothing imports the entry point."""
+    found = [
+        f"line {line}: {module}"
+        for line, module in _imports(path)
+        if module.startswith("signmuon.benchmarks.commands.") or module.startswith("signmuon.benchmarks.__main__")
+    ]
+    assert not found, "\n".join(found)

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from signmuon.benchmarks import bandwidth
-from signmuon.benchmarks.ns_precision import flip_fraction, momentum
+from signmuon.benchmarks.commands import bandwidth
+from signmuon.benchmarks.commands.ns_precision import flip_fraction, momentum
 from tests.harness import run_distributed
 
 
@@ -50,7 +50,7 @@ def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
 
 
 def test_train_writes_curves_and_is_repeatable(tmp_path):
-    from signmuon.benchmarks import train
+    from signmuon.benchmarks.commands import train
 
     argv = ["--world-size", "2", "--steps", "30", "--eval-every", "15", "--methods", "adamw", "signum_mv"]
     outputs = [
@@ -84,7 +84,7 @@ def test_train_writes_curves_and_is_repeatable(tmp_path):
 
 
 def test_charlm_task_splits_by_file_and_predicts_next_byte():
-    from signmuon.benchmarks.tasks import make_task, stdlib_text
+    from signmuon.benchmarks.workloads.tasks import make_task, stdlib_text
 
     train, val = stdlib_text()
     assert len(train) > 5 * len(val) > 0
@@ -107,7 +107,7 @@ def test_cifar10_reads_torchvision_format_and_names_a_missing_path(tmp_path):
     import numpy as np
     import pytest
 
-    from signmuon.benchmarks.tasks import load_cifar10, make_task
+    from signmuon.benchmarks.workloads.tasks import load_cifar10, make_task
 
     with pytest.raises(FileNotFoundError, match="cifar-10-batches-py"):
         make_task("cifar10", data_dir=str(tmp_path))
@@ -132,7 +132,7 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
     # iproute2, which .ci/run installs): the vote must send far fewer real bytes.
     import subprocess
 
-    from signmuon.benchmarks import netem
+    from signmuon.benchmarks.commands import netem
 
     common = [
         "--world-size",
@@ -162,7 +162,7 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
 def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path, capsys):
     # Two rates, two methods, a few steps, in namespaces (root and iproute2, as above): one
     # training run per rate, a time-to-target row per method and a panel per rate.
-    from signmuon.benchmarks import netem
+    from signmuon.benchmarks.commands import netem
 
     out = netem.main(
         [
@@ -200,7 +200,7 @@ def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path, 
 def test_emulated_nodes_count_the_bytes_between_them():
     # Two namespaces of two ranks each: the node-aware vote's ranks talk over loopback inside a
     # node, so the shaped links carry only the between-node votes, about what the formula says.
-    from signmuon.benchmarks import netem
+    from signmuon.benchmarks.commands import netem
 
     report = netem.main(
         [
@@ -230,7 +230,7 @@ def test_emulated_nodes_count_the_bytes_between_them():
 def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state():
     # ddp-step's FSDP rows on 2 emulated nodes of 2: the vote's bytes between nodes as the veth
     # counters see them, and optimizer state per rank half of the replicated optimizer's.
-    from signmuon.benchmarks import netem
+    from signmuon.benchmarks.commands import netem
 
     argv = [
         "--world-size",
@@ -261,8 +261,8 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
 
 
 def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
-    from signmuon.benchmarks import train
-    from signmuon.benchmarks.train_report import PROJECTED_RATES
+    from signmuon.benchmarks.commands import train
+    from signmuon.benchmarks.reports.train_report import PROJECTED_RATES
 
     argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "20", "--eval-every", "20", "--no-progress"]
     results = train.main(argv + ["--strategy", "fsdp", "--methods", "adamw", "signmuon", "diloco_8"])
@@ -292,7 +292,7 @@ def test_train_strategy_fsdp_shards_in_the_node_and_votes_between_nodes(capsys):
 
 
 def test_train_rounds_are_node_aware_and_one_bit_rounds_send_a_32nd_between_nodes():
-    from signmuon.benchmarks import train
+    from signmuon.benchmarks.commands import train
 
     argv = ["--world-size", "4", "--ranks-per-node", "2", "--steps", "48", "--eval-every", "48", "--no-progress"]
     # The scale settings reach the vote's rounds only (the fp32 rounds would refuse them).
@@ -312,7 +312,7 @@ def test_train_rounds_are_node_aware_and_one_bit_rounds_send_a_32nd_between_node
 def test_ddp_step_powersgd_runs_on_gloo_with_several_buckets_and_counts_p_and_q():
     # 9.9M parameters make two DDP buckets: on 4 ranks torch's hook alone aborts (SIGABRT, a
     # collective mismatch) in every run tried.
-    from signmuon.benchmarks import ddp_step
+    from signmuon.benchmarks.commands import ddp_step
 
     (row,) = ddp_step.main(["--world-size", "4", "--methods", "powersgd_r1", "--steps", "2", "--warmup", "3"])
     assert "error" not in row, row.get("error")
@@ -325,7 +325,7 @@ def _curve(losses, dt=2.0, every=10):
 
 
 def test_time_to_target_is_the_first_evaluation_at_or_below_it():
-    from signmuon.benchmarks.curves import time_to_target
+    from signmuon.benchmarks.reports.curves import time_to_target
 
     log = _curve([3.0, 2.5, 2.1, 2.3, 1.9])
     assert time_to_target(log, 2.1) == (6.0, 30), "at or below, first time"
@@ -337,7 +337,7 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_it():
 
 
 def test_seed_summary_aggregates_curves_and_time_to_target():
-    from signmuon.benchmarks.curves import seed_summary
+    from signmuon.benchmarks.reports.curves import seed_summary
 
     runs = [
         {"log": _curve([3.0, 2.0], dt=1.0), "step_ms": 10.0, "bytes_per_rank": 100},
@@ -360,8 +360,8 @@ def test_tuned_learning_rates_are_what_the_stored_sweeps_chose():
     """benchmarks/tuned.py and the sweep results it cites agree: each factor is the grid's argmin."""
     import pathlib
 
-    from signmuon.benchmarks.sweep import aggregate
-    from signmuon.benchmarks.tuned import SWEEPS, TUNED_LR_SCALES
+    from signmuon.benchmarks.commands.sweep import aggregate
+    from signmuon.benchmarks.methods.tuned import SWEEPS, TUNED_LR_SCALES
 
     results = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     for task, files in SWEEPS.items():
@@ -421,14 +421,16 @@ def test_default_precision_keeps_the_signs_of_low_rank_momentum(size, rank):
 def test_converges_on_digits():
     # 2 ranks, 200 steps of batch 64: SignMuon must reach 85% test accuracy, far above the 10%
     # of chance; DDP+AdamW gets about 98% in 300 steps, so 85% leaves room for noise, not bugs.
-    from signmuon.benchmarks.train import TrainConfig, run
+    from signmuon.benchmarks.methods.training import TrainConfig
+    from signmuon.benchmarks.runs.training import run
 
     result = run(["signmuon"], 2, TrainConfig(steps=200, eval_every=200))[0]
     assert result["test_acc"] >= 0.85, result
 
 
 def _clean_and_faulty(rank, world_size):
-    from signmuon.benchmarks.train import TrainConfig, train_worker
+    from signmuon.benchmarks.methods.training import TrainConfig
+    from signmuon.benchmarks.runs.training import train_worker
 
     config = TrainConfig(steps=120, batch_size=60, eval_every=120)
     return {
@@ -451,7 +453,8 @@ def test_byzantine_minority_still_converges():
 def test_dppf_converges_on_digits_and_consensus_is_at_least_the_average_worker():
     # 4 ranks, local SGD with DPPF every 8 steps, 240 steps: 85% is far above chance (10%);
     # the consensus model must match the mean worker to within one test example (1/360).
-    from signmuon.benchmarks.train import TrainConfig, run
+    from signmuon.benchmarks.methods.training import TrainConfig
+    from signmuon.benchmarks.runs.training import run
 
     result = run(["dppf_8"], 4, TrainConfig(steps=240, eval_every=240))[0]
     assert result["test_acc"] >= 0.85, result
@@ -460,7 +463,7 @@ def test_dppf_converges_on_digits_and_consensus_is_at_least_the_average_worker()
 
 
 def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
-    from signmuon.benchmarks.zero_structure import run, zero_structure
+    from signmuon.benchmarks.commands.zero_structure import run, zero_structure
 
     matrix = torch.ones(4, 6)
     matrix[1] = 0  # a dead unit's row
@@ -521,7 +524,7 @@ def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsy
     # The cost model's check against emulated links, small: 2 ranks (one per core), base
     # 10 Gbit/s, one slow rate. Each prediction is the base step plus the shaped link's wire
     # time of the bytes the hook counted; the ring's 30 Mbit/s step is dominated by its wire.
-    from signmuon.benchmarks.plan import validate, wire_seconds
+    from signmuon.benchmarks.commands.plan import validate, wire_seconds
 
     rows = validate(
         rates=("30mbit",), base="10gbit", width=256, steps=3, layouts=((2, 1, ("allreduce", "signsgd_mv")),)

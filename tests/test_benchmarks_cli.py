@@ -3,6 +3,7 @@ aggregation over seeds and settings."""
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -10,13 +11,14 @@ import sys
 import pytest
 import torch
 
-from signmuon.benchmarks import bandwidth
+from signmuon.benchmarks.commands import bandwidth
 
 
 def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
     import pytest
 
-    from signmuon.benchmarks.__main__ import COMMANDS, main
+    from signmuon.benchmarks.__main__ import main
+    from signmuon.benchmarks.commands import COMMANDS
 
     main(["ns-time", "--sizes", "32", "--repeats", "1"])
     assert "size" in capsys.readouterr().out
@@ -65,7 +67,7 @@ def test_cli_errors_are_one_line_with_status_2_before_anything_runs(argv, messag
 
 
 def test_sweep_aggregates_seeds_and_picks_the_lowest_mean():
-    from signmuon.benchmarks.sweep import aggregate
+    from signmuon.benchmarks.commands.sweep import aggregate
 
     grid = [
         {"method": "a", "lr_scale": 1.0, "seed": 0, "test_loss": 2.0},
@@ -83,7 +85,7 @@ def test_sweep_aggregates_seeds_and_picks_the_lowest_mean():
 
 
 def test_sweep_runs_each_scale_and_seed(tmp_path):
-    from signmuon.benchmarks import sweep
+    from signmuon.benchmarks.commands import sweep
 
     out = tmp_path / "sweep.json"
     # One method keeps it short: every method's builder takes the factor from the same config.
@@ -141,15 +143,15 @@ def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     assert out.startswith(f"usage: signmuon-bench {command} ")
     assert "``" not in out and ":class:" not in out
     assert "(default: " in out
-    from signmuon.benchmarks.registry import names_for
+    from signmuon.benchmarks.methods.registry import names_for
 
     methods = names_for("train" if command == "sweep" else command)
     assert all(f"  {name} " in out for name in methods)  # the registry's list, for commands with --methods
 
 
 def test_each_command_implements_exactly_its_registry_names():
-    from signmuon.benchmarks import ddp_step, deepspeed_step, train
-    from signmuon.benchmarks.registry import METHODS, RENAMED, names_for
+    from signmuon.benchmarks.commands import ddp_step, deepspeed_step, train
+    from signmuon.benchmarks.methods.registry import METHODS, RENAMED, names_for
 
     assert set(train.METHODS) == set(names_for("train"))
     assert bandwidth.METHODS == names_for("bandwidth") and ddp_step.METHODS == names_for("ddp-step")
@@ -161,7 +163,7 @@ def test_each_command_implements_exactly_its_registry_names():
 
 
 def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():
-    from signmuon.benchmarks.dppf_sweep import aggregate
+    from signmuon.benchmarks.commands.dppf_sweep import aggregate
 
     def row(period, pull, push, seed, loss, acc):
         return {
@@ -194,7 +196,7 @@ def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():
 
 
 def test_dppf_sweep_trains_local_sgd_and_each_pull_push(tmp_path):
-    from signmuon.benchmarks import dppf_sweep
+    from signmuon.benchmarks.commands import dppf_sweep
 
     report = dppf_sweep.main(
         [
@@ -239,7 +241,7 @@ def test_demo_help_is_its_own(capsys):
 END_AFTER_GROUP = """
 import atexit
 import torch.distributed as dist
-from signmuon.benchmarks.launch import end_torchrun_process, torchrun_group
+from signmuon.benchmarks.runtime.launch import end_torchrun_process, torchrun_group
 atexit.register(print, " teardown")
 if {make_group}:
     with torchrun_group("gloo"):
@@ -272,7 +274,7 @@ def test_a_torchrun_benchmark_on_gloo_ends_without_the_interpreters_teardown():
 
 
 def test_ddp_step_counts_the_hook_momentum_and_the_node_aware_rows_hold_a_slice_of_it():
-    from signmuon.benchmarks import ddp_step
+    from signmuon.benchmarks.commands import ddp_step
 
     rows = ddp_step.main(
         [
@@ -304,7 +306,7 @@ def test_ddp_step_counts_the_hook_momentum_and_the_node_aware_rows_hold_a_slice_
 
 
 def test_ddp_step_rounds_take_each_methods_median_and_keep_a_failure():
-    from signmuon.benchmarks.ddp_step import merge_rounds
+    from signmuon.benchmarks.commands.ddp_step import merge_rounds
 
     passes = [
         [{"method": "a", "step_s": t, "bytes_per_rank": 7}, {"method": "b", "step_s": 2 * t}] for t in (3.0, 1.0, 2.0)
@@ -321,7 +323,7 @@ def test_ddp_step_rounds_take_each_methods_median_and_keep_a_failure():
 def test_direction_time_splits_signmuons_parameters_by_path():
     from torch import nn
 
-    from signmuon.benchmarks.direction_time import direction_time
+    from signmuon.benchmarks.commands.direction_time import direction_time
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3, bias=False))
@@ -332,9 +334,21 @@ def test_direction_time_splits_signmuons_parameters_by_path():
 
 
 def test_round_time_compares_block_scales_with_tensor_scales():
-    from signmuon.benchmarks.round_time import main
+    from signmuon.benchmarks.commands.round_time import main
 
     rows = main(["--entries", "20000", "--tensors", "3", "--block", "64", "--repeats", "1"])
     assert [r["rule"] for r in rows] == ["sign_vote", "sign_vote_ef"]
     for row in rows:
         assert row["per_tensor_s"] > 0 and row["block_s"] > 0 and row["ratio"] == row["block_s"] / row["per_tensor_s"]
+
+
+def test_every_command_module_exports_its_name_summary_and_main():
+    from signmuon.benchmarks.commands import COMMANDS, load
+
+    modules = {
+        p.stem for p in (pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "commands").glob("*.py")
+    } - {"__init__"}
+    assert set(COMMANDS.values()) == modules, "every command module is listed, and only those"
+    for name in COMMANDS:
+        module = load(name)
+        assert module.NAME == name and module.SUMMARY and callable(module.main)

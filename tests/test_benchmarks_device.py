@@ -1,7 +1,7 @@
 """The train benchmark's evaluation keeps its collective on the group's device (see
 ``tests/gpu_world.py``): NCCL rejects the CPU tensor it all-reduced before."""
 
-from signmuon.benchmarks.train import mean_over_workers
+from signmuon.benchmarks.runs.training import mean_over_workers
 
 from .gpu_world import gpu_world
 

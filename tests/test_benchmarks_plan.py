@@ -6,7 +6,7 @@ import pytest
 
 
 def test_plan_bytes_are_the_collectives_formulas():
-    from signmuon.benchmarks.cost import Cluster, Workload, predict
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
     from signmuon.comm_hooks import vote_bytes_per_rank
     from signmuon.comm_hooks.dist import ring_bytes
 
@@ -35,7 +35,7 @@ def test_plan_bytes_are_the_collectives_formulas():
 def test_plan_crossover_is_where_the_step_times_meet():
     import math
 
-    from signmuon.benchmarks.cost import Cluster, Workload, crossover, predict
+    from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, predict
 
     cluster, work = Cluster(8, 8, 1e9), Workload(100_000_000, 0.05, ((4096, 4096),) * 4)
     rate = crossover("signmuon_node", cluster, work)
@@ -52,8 +52,8 @@ def test_plan_crossover_is_where_the_step_times_meet():
 
 
 def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
-    from signmuon.benchmarks import plan
-    from signmuon.benchmarks.cost import parse_rate
+    from signmuon.benchmarks.commands import plan
+    from signmuon.benchmarks.cost.model import parse_rate
 
     rows = plan.main(["--model", "gpt-125m", "--nodes", "4", "--ranks-per-node", "8", "--link", "25gbit"])
     by = {r["method"]: r for r in rows}
@@ -74,7 +74,7 @@ def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
 
 
 def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
-    from signmuon.benchmarks import plan
+    from signmuon.benchmarks.commands import plan
 
     common = [
         "--params",
@@ -112,7 +112,7 @@ def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
 
 
 def test_validation_passes_combine_into_medians_per_point():
-    from signmuon.benchmarks.plan import main, median_rows
+    from signmuon.benchmarks.commands.plan import main, median_rows
 
     def point(rate, predicted, measured):
         return {
@@ -139,7 +139,7 @@ def test_validation_passes_combine_into_medians_per_point():
 
 
 def test_the_shaped_links_token_bucket_refills_only_while_the_link_is_idle():
-    from signmuon.benchmarks.plan import wire_seconds
+    from signmuon.benchmarks.commands.plan import wire_seconds
 
     mb = 1e6
     assert wire_seconds(3 * mb, "1gbit") == pytest.approx(8 * (3 * mb - 1.25 * mb) / 1e9)  # 10 ms of traffic held
@@ -153,7 +153,7 @@ def test_the_shaped_links_token_bucket_refills_only_while_the_link_is_idle():
 def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
     # B buckets, backward T_b, collectives C one after another: the last ends
     # max(C - T_b(1 - 1/B), C/B) after backward. Hand-computed for both regimes.
-    from signmuon.benchmarks.cost import Cluster, Workload, predict
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
 
     n = 10 * (25 * 2**20) // 4  # ten buckets of 25 MB of fp32 gradient
     cluster = Cluster(4, 1, 1e9)
@@ -178,7 +178,7 @@ def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
 
 
 def test_what_backward_cannot_hide_adds_whole():
-    from signmuon.benchmarks.cost import Cluster, Workload, predict
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
 
     n = 10 * (25 * 2**20) // 4
     cluster, work = Cluster(2, 4, 1e9), Workload(n, 3.0, ((4096, 4096),) * 8)
@@ -201,7 +201,7 @@ def test_what_backward_cannot_hide_adds_whole():
 
 
 def test_plan_cli_overlap_flags(capsys):
-    from signmuon.benchmarks import plan
+    from signmuon.benchmarks.commands import plan
 
     common = ["--model", "gpt-1.3b", "--nodes", "8", "--ranks-per-node", "8", "--link", "100gbit"]
     overlapped = {r["method"]: r for r in plan.main(common)}

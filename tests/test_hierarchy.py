@@ -493,7 +493,7 @@ def test_torchrun_two_nodes_on_one_machine_runs_the_benchmark():
         "--rdzv-id",
         "nodes",
         "-m",
-        "signmuon.benchmarks.ddp_step",
+        "signmuon.benchmarks.commands.ddp_step",
         "--methods",
         "signsgd_mv",
         "signsgd_mv_node",

@@ -8,8 +8,8 @@ import math
 import os
 import statistics
 
-from signmuon.benchmarks.cli import network_label
-from signmuon.benchmarks.curves import seed_summary, time_to_target
+from signmuon.benchmarks.reports.curves import seed_summary, time_to_target
+from signmuon.benchmarks.runtime.cli import network_label
 
 
 def print_time_split(results: list[dict]) -> None:

@@ -27,9 +27,13 @@ from datetime import timedelta
 
 import torch
 
-from signmuon.benchmarks.cli import command_parser, non_negative_float, positive_int, write_report
-from signmuon.benchmarks.tasks import TASKS, evaluate, loss_fn
-from signmuon.benchmarks.tuned import tuned_lr_scale
+from signmuon.benchmarks.methods.tuned import tuned_lr_scale
+from signmuon.benchmarks.runtime.cli import command_parser, non_negative_float, positive_int, write_report
+from signmuon.benchmarks.workloads.tasks import TASKS, evaluate, loss_fn
+
+NAME = "lost-node"
+SUMMARY = "DiLoCo rounds under torchft's Manager: a replica group killed, then healed"
+
 
 __all__ = ["LostNodeConfig", "lost_node_run", "main"]
 
@@ -256,7 +260,3 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: final test loss {float(final.mean()):.4f} ± {spread:.4f} over {len(rows)} seed(s)")
     write_report("lost-node", argv, {"config": vars(args), "runs": runs}, args.json)
     return runs
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ on the same model in the same run; ``signsgd_mv_in_step`` votes in ``step()`` af
 (``initialize(..., overlap_backward=False)``). Reports step time as a ratio to the all-reduce engine and to
 that DDP step, and bytes sent per rank per step.
 
-    python -m signmuon.benchmarks.deepspeed_step --world-size 2
+    python -m signmuon.benchmarks.commands.deepspeed_step --world-size 2
 """
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ import statistics
 import torch
 from torch import nn
 
-from signmuon.benchmarks.cli import command_parser, parse_methods
-from signmuon.benchmarks.ddp_step import mlp
-from signmuon.benchmarks.launch import run_distributed, timed_calls
-from signmuon.benchmarks.registry import names_for
+from signmuon.benchmarks.methods.registry import names_for
+from signmuon.benchmarks.runtime.cli import command_parser, parse_methods
+from signmuon.benchmarks.runtime.launch import run_distributed, timed_calls
+from signmuon.benchmarks.workloads.models import mlp
 from signmuon.comm_hooks.dist import ring_bytes
+
+NAME = "deepspeed-step"
+SUMMARY = "the DeepSpeed engine's step: its fp32 all-reduce against the sign vote"
+
 
 METHODS = names_for("deepspeed-step")
 
@@ -124,7 +128,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {vs_ddp:>12.2f} {r['bytes_per_rank'] / 1e6:>13.3f}"
         )
     return rows
-
-
-if __name__ == "__main__":
-    main()

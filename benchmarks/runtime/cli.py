@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from signmuon.benchmarks.registry import check_methods, describe, names_for
+from signmuon.benchmarks.methods.registry import check_methods, describe, names_for
 
 __all__ = [
     "command_parser",

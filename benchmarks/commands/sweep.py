@@ -13,8 +13,14 @@ from __future__ import annotations
 import math
 import statistics
 
-from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int, write_report
-from signmuon.benchmarks.train import TASKS, TrainConfig, run
+from signmuon.benchmarks.methods.training import TrainConfig
+from signmuon.benchmarks.runs.training import run
+from signmuon.benchmarks.runtime.cli import command_parser, parse_methods, positive_int, write_report
+from signmuon.benchmarks.workloads.tasks import TASKS
+
+NAME = "sweep"
+SUMMARY = "learning-rate sweep: methods x lr factors x seeds, the tuned factor per method"
+
 
 __all__ = ["aggregate", "main"]
 
@@ -112,7 +118,3 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": {m: {**v, "scales": {str(s): c for s, c in v["scales"].items()}} for m, v in summary.items()},
     }
     return write_report("sweep", argv, fields, args.json)
-
-
-if __name__ == "__main__":
-    main()

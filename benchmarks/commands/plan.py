@@ -19,8 +19,13 @@ import json
 import math
 import statistics
 
-from signmuon.benchmarks.cli import command_parser, positive_int
-from signmuon.benchmarks.cost import PLAN_METHODS, Cluster, Workload, crossover, parse_rate, predict
+from signmuon.benchmarks.commands import load
+from signmuon.benchmarks.cost.model import PLAN_METHODS, Cluster, Workload, crossover, parse_rate, predict
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int
+
+NAME = "plan"
+SUMMARY = "an α–β model: bytes and step time per method on a cluster, speed-up, crossover"
+
 
 __all__ = [
     "GPT_SIZES",
@@ -298,7 +303,7 @@ def median_rows(passes: list[list[dict]]) -> list[dict]:
 
 
 def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[dict]:
-    from signmuon.benchmarks import netem
+    netem = load("netem")  # a command: validation runs ddp-step across shaped links
 
     rows = []
     for world_size, per_node, methods in layouts:
@@ -453,7 +458,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.measure_kernels:
             import torch
 
-            from signmuon.benchmarks.kernels import measure
+            from signmuon.benchmarks.workloads.kernels import measure
 
             t = measure(1 << 22, 2, torch.device("cpu"))
             kernel = 4 * (1 << 22) / (t["pack"] + t["vote"] + t["unpack"])
@@ -488,7 +493,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -27,9 +27,13 @@ import math
 
 import torch
 
-from signmuon.benchmarks.cli import command_parser, positive_int
-from signmuon.benchmarks.ddp_step import mlp
-from signmuon.benchmarks.tasks import TASKS, loss_fn
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int
+from signmuon.benchmarks.workloads.models import mlp
+from signmuon.benchmarks.workloads.tasks import TASKS, loss_fn
+
+NAME = "zero-structure"
+SUMMARY = "where a ReLU model's exact zeros lie, and what coding them by rows and columns costs"
+
 
 __all__ = ["zero_structure", "main"]
 
@@ -138,7 +142,3 @@ def main(argv: list[str] | None = None) -> list:
             f"{s['entropy_nonzero_signs']:>27.2f}"
         )
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,20 @@
 """Newton–Schulz time per matrix size: the compute SignMuon adds to each step (twice with
 the post-vote polar step), in float32 (SignMuon's default) or bfloat16.
 
-    python -m signmuon.benchmarks.ns_time --sizes 512 1024 2048 4096 --device cuda
+    python -m signmuon.benchmarks.commands.ns_time --sizes 512 1024 2048 4096 --device cuda
 """
 
 from __future__ import annotations
 
 import torch
 
-from signmuon.benchmarks.cli import command_parser
-from signmuon.benchmarks.launch import median_seconds
+from signmuon.benchmarks.runtime.cli import command_parser
+from signmuon.benchmarks.runtime.launch import median_seconds
 from signmuon.optim import newton_schulz
 from signmuon.optim.sign_muon import NS_DTYPES
+
+NAME = "ns-time"
+SUMMARY = "Newton–Schulz time per matrix size (what SignMuon adds to a step)"
 
 
 def measure(size: int, device: torch.device, dtype: torch.dtype | str, steps: int, repeats: int) -> float:
@@ -41,7 +44,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append({"size": size, "seconds": seconds, "tflops": flops / seconds / 1e12})
         print(f"{size:>6} {seconds * 1e3:>9.3f} {flops / seconds / 1e12:>8.2f}")
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from signmuon.benchmarks.cli import command_parser, positive_int
-from signmuon.benchmarks.launch import median_seconds
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int
+from signmuon.benchmarks.runtime.launch import median_seconds
 from signmuon.optim.rounds.pseudo_gradients import combine_pseudo_gradients, scale_blocks
+
+NAME = "round-time"
+SUMMARY = "a one-bit round's combination: a scale per block of B entries against one per tensor"
 
 
 def measure(entries: int, tensors: int, block: int, rule: str, repeats: int, device: torch.device) -> float:
@@ -54,7 +57,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         print(f"{rule:>13} {whole:>13.3f} {blocks:>12.3f} {blocks / whole:>6.2f}")
     return rows
-
-
-if __name__ == "__main__":
-    main()

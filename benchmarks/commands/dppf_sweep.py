@@ -16,12 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from signmuon.benchmarks.cli import command_parser, positive_int, write_report
-from signmuon.benchmarks.curves import mean_std
-from signmuon.benchmarks.methods import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
-from signmuon.benchmarks.methods import TrainConfig
-from signmuon.benchmarks.tasks import CHARLM_SIZES, TASKS
-from signmuon.benchmarks.train import run
+from signmuon.benchmarks.methods.training import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
+from signmuon.benchmarks.methods.training import TrainConfig
+from signmuon.benchmarks.reports.curves import mean_std
+from signmuon.benchmarks.runs.training import run
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int, write_report
+from signmuon.benchmarks.workloads.tasks import CHARLM_SIZES, TASKS
+
+NAME = "dppf-sweep"
+SUMMARY = "DPPF against local SGD: a pull/push grid per averaging period, over seeds"
+
 
 __all__ = ["aggregate", "main", "PERIODS"]
 
@@ -166,7 +170,3 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
     }
     return write_report("dppf-sweep", argv, fields, args.json)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ so every method is compared against moving the full fp32 gradient), and the spee
 the fp32 all-reduce of the same size measured in the same run.
 
     signmuon-bench bandwidth --world-size 4 --sizes 1K 64K 1M 16M
-    torchrun --nnodes 2 --nproc-per-node 8 -m signmuon.benchmarks.bandwidth --sizes 1M 256M
+    torchrun --nnodes 2 --nproc-per-node 8 -m signmuon.benchmarks.commands.bandwidth --sizes 1M 256M
 """
 
 from __future__ import annotations
@@ -24,13 +24,22 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int, size
-from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
-from signmuon.benchmarks.registry import names_for
+from signmuon.benchmarks.methods.registry import names_for
+from signmuon.benchmarks.runtime.cli import command_parser, parse_methods, positive_int, size
+from signmuon.benchmarks.runtime.launch import (
+    run_distributed,
+    run_torchrun,
+    timed_calls,
+    under_torchrun,
+)
 from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
 from signmuon.comm_hooks.dist import ring_bytes
 from signmuon.comm_hooks.vote import NodeVoteWork
 from signmuon.integrations.deepspeed import SignCompressedBackend
+
+NAME = "bandwidth"
+SUMMARY = "message sizes x reduction methods: time, bytes per rank, algbw/busbw, speed-up"
+
 
 METHODS = names_for("bandwidth")
 
@@ -224,8 +233,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = run_distributed(_worker, args.world_size, args, timeout=3600)[0]
     report(rows, args)
     return rows
-
-
-if __name__ == "__main__":
-    main()
-    end_torchrun_process()

@@ -6,7 +6,7 @@ hard case: NS multiplies small singular values by up to ~3.4 per iteration, so r
 the null space grows to the size of the signal. For each size, rank and precision this reports
 the fraction of entries whose sign differs from a float64 reference, and the time of one call.
 
-    python -m signmuon.benchmarks.ns_precision --sizes 256 1024 4096 --ranks 8 32 0 --device cuda
+    python -m signmuon.benchmarks.commands.ns_precision --sizes 256 1024 4096 --ranks 8 32 0 --device cuda
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from signmuon.benchmarks.cli import check_device, command_parser, positive_int
+from signmuon.benchmarks.runtime.cli import check_device, command_parser, positive_int
 from signmuon.optim import newton_schulz
 
 # name -> (precision of the first iterations, of the last `tail` iterations, tail); a precision is
@@ -27,6 +27,10 @@ PRECISIONS = {
     "bfloat16": (torch.bfloat16, torch.bfloat16, 0),
     "bf16+fp32 last 2": (torch.bfloat16, torch.float32, 2),
 }
+
+
+NAME = "ns-precision"
+SUMMARY = "signs Newton–Schulz flips in float32 / bfloat16 against float64, and the cost"
 
 
 def momentum(size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -110,7 +114,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"{size:>6} {label:>5} {precision:>18} {100 * row['flips']:>9.3f} {100 * row['max_flips']:>7.3f} {ms:>9.2f}"
                 )
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -14,8 +14,8 @@ formula; "bits/entry" is 8 x bytes / (parameters x 2(M-1)/M), the bandwidth-opti
 all-reduce's cost per entry (32 for fp32, 1 for an ideal 1-bit vote). Each step draws one of
 four batches, so ReLU's dead units differ from step to step as in training.
 
-    python -m signmuon.benchmarks.ddp_step --world-size 2          # local gloo ranks
-    torchrun --nproc-per-node 8 -m signmuon.benchmarks.ddp_step    # a real cluster
+    python -m signmuon.benchmarks.commands.ddp_step --world-size 2          # local gloo ranks
+    torchrun --nproc-per-node 8 -m signmuon.benchmarks.commands.ddp_step    # a real cluster
 """
 
 from __future__ import annotations
@@ -32,26 +32,28 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.cli import command_parser, parse_methods, positive_int
-from signmuon.benchmarks.launch import end_torchrun_process, run_distributed, run_torchrun, timed_calls, under_torchrun
-from signmuon.benchmarks.methods import counted_powersgd_hook, fsdp_traffic, shard_blocks
-from signmuon.benchmarks.registry import names_for
+from signmuon.benchmarks.methods.registry import names_for
+from signmuon.benchmarks.methods.training import counted_powersgd_hook, fsdp_traffic, shard_blocks
+from signmuon.benchmarks.runtime.cli import command_parser, parse_methods, positive_int
+from signmuon.benchmarks.runtime.launch import (
+    run_distributed,
+    run_torchrun,
+    timed_calls,
+    under_torchrun,
+)
+from signmuon.benchmarks.workloads.models import mlp
 from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.comm_hooks.dist import all_reduce, group_device, ring_bytes
 from signmuon.comm_hooks.vote import ZERO_RULES
 from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
 
+NAME = "ddp-step"
+SUMMARY = "DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote"
+
+
 METHODS = names_for("ddp-step")
 NODE_AWARE = {"signsgd_mv_node": "signsgd_mv", "signum_mv_node": "signum_mv", "signmuon_node": "signmuon"}
 FSDP = {"fsdp_reduce_scatter": None, "fsdp_signum_mv": SignumMV, "fsdp_signmuon": SignMuon}
-
-
-def mlp(width: int, depth: int, inputs: int = 512, classes: int = 10) -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
 
 
 def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> object | None:
@@ -277,8 +279,3 @@ def _write_json(rows: list[dict], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
-    end_torchrun_process()

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from signmuon.benchmarks.cli import check_device, command_parser, positive_int
-from signmuon.benchmarks.launch import median_seconds
-from signmuon.benchmarks.tasks import TASKS, loss_fn, make_task
+from signmuon.benchmarks.runtime.cli import check_device, command_parser, positive_int
+from signmuon.benchmarks.runtime.launch import median_seconds
+from signmuon.benchmarks.workloads.tasks import TASKS, loss_fn, make_task
 from signmuon.optim import SignMuon
+
+NAME = "direction-time"
+SUMMARY = "SignMuon's pre-vote work per step by path (matrices, the rest) against fwd+bwd"
+
 
 __all__ = ["direction_time", "main"]
 
@@ -77,7 +81,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{row['seconds'] / base:>11.3f}"
         )
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,1 @@
+"""The cost model: bytes and step time per method on a cluster."""

@@ -1,0 +1,1 @@
+"""The emulated network: namespaces joined by shaped links."""

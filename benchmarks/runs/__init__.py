@@ -1,0 +1,1 @@
+"""The runs several commands share: the training run."""

@@ -1,0 +1,1 @@
+"""What every command uses: argument parsing and launching ranks."""

@@ -1,0 +1,1 @@
+"""What the benchmarks run: tasks, models and the kernels as workloads."""
