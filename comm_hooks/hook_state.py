@@ -25,6 +25,19 @@ __all__ = ["VoteHookState", "bucket_segments", "watch_first_step"]
 logger = logging.getLogger(__name__)
 
 
+_PROCESS_SLOTS = (
+    "process_group",
+    "pending",
+    "settings_checked",
+    "param_keys",
+    "bucket_calls",
+    "errors",
+    "layout",
+    "headers_agree",
+)
+"""What a hook state does not pickle: this process's (``VoteHookState._start_process_state``)."""
+
+
 class VoteHookState:
     """What every vote hook keeps: settings, the votes in flight, and statistics.
 
@@ -41,42 +54,14 @@ class VoteHookState:
             raises ``ReplicaDivergenceError`` naming the first differing tensor.
 
     Tie-break coins are keyed to (seed, iteration, parameter, position), so they do not depend
-    on DDP's bucket layout; each vote's header carries (iteration, bucket), so ranks whose
-    states disagree raise ``VoteMismatchError`` instead of voting different buckets together.
-
-    At its first call the hook compares all ranks' settings (one digest all-gather) and
-    raises ``SettingsMismatchError`` on every rank if any differ. At the first bucket of an
-    iteration it compares the iteration counters and that bucket's size (one all-gather of three
-    words), so a rank resumed from a stale state raises ``VoteMismatchError`` on every rank
-    before warm-up all-reduces, votes and replica checks could pair up wrongly: every iteration
-    until a flat vote has run (from then on each vote's headers carry the iteration and are
-    compared on every rank, at no extra read), after a load, with replica checks, and
-    node-aware (whose node all-reduce runs before any header).
-
-    ``NonFiniteError`` (``nonfinite="raise"``) leaves training usable: the hook hands DDP a zero
-    gradient for the bucket, so DDP finishes its backward pass normally, and the error is raised
-    from ``loss.backward()`` once DDP is done, the same in warm-up and voting iterations. Catch
-    it, zero the gradients and take the next batch.
+    on DDP's bucket layout. What every rank checks, and when (settings at the first call, the
+    iteration and bucket of every vote, the first bucket of an iteration where no header has yet
+    carried them), is in docs/reliability.md. ``NonFiniteError`` (``nonfinite="raise"``) leaves
+    training usable: the hook hands DDP a zero gradient for the bucket and the error is raised
+    from ``loss.backward()`` once DDP is done; catch it, zero the gradients, take the next batch.
     """
 
-    __slots__ = (
-        "process_group",
-        "vote_config",
-        "check_replicas_every",  # settings
-        "iter",
-        "pending",
-        "settings_checked",
-        "param_keys",
-        "bucket_calls",
-        "deferred_error",
-        "deferred_flags",
-        "raise_queued",
-        "layout",
-        "headers_agree",  # internal state
-        "stats",
-        "raised",
-        "buckets_seen",  # statistics
-    )
+    __slots__ = ("vote_config", "check_replicas_every", "iter", "stats", "buckets_seen", *_PROCESS_SLOTS)
 
     def __init__(
         self,
@@ -94,22 +79,23 @@ class VoteHookState:
             raise ValueError(f"check_replicas_every={check_replicas_every!r} must be a non-negative int (0 = never)")
         self.vote_config = vote
         self.check_replicas_every = check_replicas_every
-        self.settings_checked = False
         self.process_group = process_group
-        self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
         self.iter = 0
+        self.stats = CommStats()
+        self.buckets_seen = 0  # hook calls ever (check_called_by_first_step reads it)
+        self._start_process_state()
+
+    def _start_process_state(self) -> None:
+        """What belongs to this process, never saved: made new at construction and at unpickling."""
+        self.settings_checked = False
+        self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
         self.bucket_calls = 0  # hook calls so far in this iteration
-        self.deferred_error: NonFiniteError | None = None  # raised once DDP's backward is done
-        self.deferred_flags: list[tuple[torch.Tensor, NonFiniteError]] = []  # raised then if a flag is set
-        self.raise_queued = False  # whether a callback will raise it at the end of backward
+        self.errors = DeferredErrors()  # NonFiniteError raised once DDP's backward is done
         self.layout: NodeLayout | None = None  # node and rail groups (hierarchical), made at the first call
         # Once a flat vote has run, every bucket's vote headers carry (iteration, bucket) and are
         # compared on every rank: the per-iteration agreement (a host read) is then redundant.
         self.headers_agree = False
         self.pending = VotePipeline(self.defer)  # this backward pass's votes still in flight
-        self.stats = CommStats()
-        self.raised = 0  # iterations whose backward raised NonFiniteError
-        self.buckets_seen = 0  # hook calls ever (check_called_by_first_step reads it)
 
     def settings(self) -> dict:
         """What must be equal on every rank (compared once, at the first hook call)."""
@@ -148,7 +134,7 @@ class VoteHookState:
                     stats=self.stats,
                 )
             if self.nonfinite == "raise":
-                self.raise_queued = _raise_after_backward(self)
+                self.errors.arm()
         self.bucket_calls += 1
         self.buckets_seen += 1
         if self.check_replicas_every and self.iter % self.check_replicas_every == 0:
@@ -157,14 +143,9 @@ class VoteHookState:
             check_replicas(params, self.process_group, names=names)
 
     def check_called_by_first_step(self, optimizer: torch.optim.Optimizer, fix: str = "") -> None:
-        """Raise ``RuntimeError`` at ``optimizer``'s first step if the hook has not run by then.
-
-        Frameworks can drop a registered hook without a word (one registers comm hooks on CUDA
-        only, one ignores hooks it does not know): training then goes on with unreduced local
-        gradients and the replicas drift apart. ``fix`` (what to do in the framework at hand)
-        ends the message. Checked once; later steps are not watched. A step given a closure
-        (Lightning's) runs backward inside ``step()``, so that step is checked when it returns.
-        """
+        """Raise ``RuntimeError`` at ``optimizer``'s first step if the hook has not run by then (a
+        framework that drops a hook without a word); ``fix``, what to do there, ends the message.
+        See :func:`watch_first_step`."""
         watch_first_step(self, optimizer, fix)
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
@@ -174,16 +155,13 @@ class VoteHookState:
             self.bucket_calls = 0
 
     def defer(self, error: NonFiniteError, flag: torch.Tensor | None = None) -> None:
-        """Keep ``error`` to raise after DDP's backward (raising inside DDP would break it); with
-        ``flag`` (0-d bool, not read yet), only if it is set, read then."""
-        if not self.raise_queued:
-            if flag is None or bool(flag):
-                raise error  # not inside a backward pass: nothing to protect
-            return
-        if flag is not None:
-            self.deferred_flags.append((flag, error))
-        elif self.deferred_error is None:
-            self.deferred_error = error
+        """Raise ``error`` once DDP's backward is done (:meth:`DeferredErrors.defer`)."""
+        self.errors.defer(error, flag)
+
+    @property
+    def raised(self) -> int:
+        """Iterations whose backward raised ``NonFiniteError``."""
+        return self.errors.raised
 
     def param_key(self, param: torch.Tensor) -> int:
         """A parameter's stable key: its order of first appearance to this state.
@@ -221,35 +199,22 @@ class VoteHookState:
         self.pending.advance()
         layout = self.node_layout()
         label, tag = f"bucket {bucket.index()} (iteration {self.iter})", (self.iter << 20) | bucket.index()
+        common = dict(out=out, step=self.iter, segments=self.segments(bucket, voted), stats=self.stats)
         work: VoteWork | NodeVoteWork
         if layout is not None:
-            work = NodeVoteWork(
-                voter,
-                layout,
-                self.vote_config,
-                out=out,
-                step=self.iter,
-                segments=self.segments(bucket, voted),
-                stats=self.stats,
-                label=label,
-                tag=tag,
-                momentum=node_momentum,
-            )
+            work = NodeVoteWork(voter, layout, self.vote_config, label=label, tag=tag, momentum=node_momentum, **common)
         else:
             self.headers_agree = True
             work = VoteWork(
                 voter,
                 self.process_group,
                 self.vote_config.rail,  # flat: one node, or one rank per node
-                step=self.iter,
-                segments=self.segments(bucket, voted),
-                out=out,
-                stats=self.stats,
                 label=label,
                 tag=tag,
                 input_nonfinite=input_nonfinite,
                 momentum=momentum,
                 agree_sizes=False,  # DDP gives every rank the same buckets; the headers still check
+                **common,
             )
         return self.track(bucket, work, finish)
 
@@ -267,20 +232,7 @@ class VoteHookState:
         self.maybe_increase_iter(bucket)
         return fut
 
-    # -- checkpointing -------------------------------------------------------------------
-
-    _UNPICKLED = (
-        "process_group",
-        "pending",
-        "settings_checked",
-        "param_keys",
-        "bucket_calls",
-        "deferred_error",
-        "deferred_flags",
-        "raise_queued",
-        "layout",
-        "headers_agree",
-    )
+    _UNPICKLED = _PROCESS_SLOTS
 
     @classmethod
     def _all_slots(cls) -> list[str]:
@@ -291,21 +243,15 @@ class VoteHookState:
         logger.warning(
             f"{type(self).__name__}: the process group is not serializable and is left out of the saved state"
         )
-        return {slot: getattr(self, slot) for slot in self._all_slots() if slot not in self._UNPICKLED}
+        state = {slot: getattr(self, slot) for slot in self._all_slots() if slot not in self._UNPICKLED}
+        return {**state, "raised": self.raised}
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = None
-        self.pending = VotePipeline(self.defer)
-        self.settings_checked = False
-        self.param_keys = {}
-        self.bucket_calls = 0
-        self.deferred_error = None
-        self.deferred_flags = []
-        self.raise_queued = False
-        self.layout = None
-        self.headers_agree = False
+        self._start_process_state()
         self.buckets_seen = 0
         logger.warning(f"{type(self).__name__}: restored with the default process group (WORLD)")
+        self.errors.raised = state.pop("raised", 0)
         for slot, value in state.items():
             setattr(self, slot, value)
 
@@ -329,29 +275,52 @@ class VoteHookState:
         self.headers_agree = False  # a resumed rank agrees on its iteration again first
 
 
-def _raise_after_backward(state: VoteHookState) -> bool:
-    """Queue a check that raises ``state.deferred_error`` after DDP has finished this backward.
+class DeferredErrors:
+    """The ``NonFiniteError`` of a backward pass, raised once DDP has finished it (raising inside
+    DDP's hook would leave DDP's reducer broken)."""
 
-    DDP queues its own end-of-backward callback only after the last bucket's hook has run, so a
-    callback queued now runs before DDP's; that one queues the check, which thus runs after it.
-    Returns False outside a backward pass (a hook called by hand), where nothing is queued.
-    """
-    engine = torch.autograd.Variable._execution_engine
+    __slots__ = ("error", "flags", "queued", "raised")
 
-    def check() -> None:
-        error, state.deferred_error = state.deferred_error, None
-        flags, state.deferred_flags = state.deferred_flags, []
+    def __init__(self) -> None:
+        self.error: NonFiniteError | None = None
+        self.flags: list[tuple[torch.Tensor, NonFiniteError]] = []  # raised if a flag is set, read then
+        self.queued = False  # whether a callback raises them at the end of this backward
+        self.raised = 0  # backward passes that raised
+
+    def arm(self) -> None:
+        """Queue the check that raises after DDP has finished this backward.
+
+        DDP queues its own end-of-backward callback only after the last bucket's hook has run, so
+        a callback queued now runs before DDP's; that one queues the check, which thus runs after
+        it. Outside a backward pass (a hook called by hand) nothing is queued."""
+        engine = torch.autograd.Variable._execution_engine
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(self._check))
+        except RuntimeError:
+            self.queued = False
+            return
+        self.queued = True
+
+    def defer(self, error: NonFiniteError, flag: torch.Tensor | None = None) -> None:
+        """Keep ``error`` to raise after the backward; with ``flag`` (0-d bool, not read yet), only
+        if it is set, read then. Outside a backward pass it raises at once (when set)."""
+        if not self.queued:
+            if flag is None or bool(flag):
+                raise error  # not inside a backward pass: nothing to protect
+            return
+        if flag is not None:
+            self.flags.append((flag, error))
+        elif self.error is None:
+            self.error = error
+
+    def _check(self) -> None:
+        error, self.error = self.error, None
+        flags, self.flags = self.flags, []
         if error is None and flags and bool(torch.stack([flag for flag, _ in flags]).any()):  # one read
             error = next(e for flag, e in flags if bool(flag))
         if error is not None:
-            state.raised += 1
+            self.raised += 1
             raise error
-
-    try:
-        engine.queue_callback(lambda: engine.queue_callback(check))
-    except RuntimeError:
-        return False
-    return True
 
 
 def bucket_segments(
@@ -380,7 +349,12 @@ def bucket_segments(
 
 
 def watch_first_step(state: "VoteHookState", optimizer: torch.optim.Optimizer, fix: str) -> None:
-    """Hooks on ``optimizer``'s step that raise at its first step if ``state``'s hook has not run."""
+    """Hooks on ``optimizer``'s step that raise at its first step if ``state``'s hook has not run.
+
+    Frameworks can drop a registered hook without a word (one registers comm hooks on CUDA only,
+    one ignores hooks it does not know): training then goes on with unreduced local gradients and
+    the replicas drift apart. Checked once; later steps are not watched. A step given a closure
+    (Lightning's) runs backward inside ``step()``, so that step is checked when it returns."""
     seen = state.buckets_seen
     handles: list = []
 
