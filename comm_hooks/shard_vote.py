@@ -32,7 +32,7 @@ import torch
 
 from .dist import CommStats, all_reduce, all_to_all, group_device, mean_all_reduce, nonfinite_flag
 from .kernels.layout import SignSegments
-from .vote import NodeLayout, VoteConfig, VoteWork
+from .vote import NodeLayout, VoteConfig, vote_in_place
 
 __all__ = ["ShardSpec", "ShardVoter"]
 
@@ -161,19 +161,16 @@ class ShardVoter:
         for p in pieces:
             starts.append(starts[-1] + p.numel())
         segments = SignSegments(tuple(starts), tuple(keys), tuple(firsts)) if pieces else None
-        voted = VoteWork(
+        voted = vote_in_place(
             voter,
             self.layout.rail_group,
             self.config.rail,
             step=step,
             segments=segments,
-            out=voter,
             stats=self.stats,
             label=label,
-            tag=step,
             input_nonfinite=any_bad,
-            agree_sizes=False,
-        ).wait()
+        )
         results: list[torch.Tensor | None] = [None] * len(specs)
         cursor = 0
         for i, spec in enumerate(specs):

@@ -23,7 +23,7 @@ from .dist import (
     split_like,
 )
 from .kernels.layout import SignSegments
-from .vote import NodeLayout, OwnedVoteWork, VoteConfig, majority_vote, mean_node_aware, node_layout
+from .vote import NodeLayout, OwnedVoteWork, VoteConfig, mean_node_aware, node_layout, vote_in_place
 
 __all__ = ["StepVoter"]
 
@@ -123,18 +123,8 @@ class StepVoter:
         for d in directions:
             starts.append(starts[-1] + d.numel())
         segments = SignSegments(tuple(starts), tuple(range(len(directions))))
-        majority_vote(
-            flat,
-            self.group,
-            self.config.rail,
-            step=step,
-            segments=segments,
-            out=flat,
-            stats=self.stats,
-            label=label,
-            tag=step,
-            agree_sizes=False,  # the voted list is agreed by used_on_any_rank, its shapes by the settings
-        )
+        # The voted list is agreed by used_on_any_rank, its shapes by the settings.
+        vote_in_place(flat, self.group, self.config.rail, step=step, segments=segments, stats=self.stats, label=label)
         return split_like(flat, directions)
 
     def mean(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:

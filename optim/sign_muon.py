@@ -24,9 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from signmuon.comm_hooks import VoteConfig
 from signmuon.comm_hooks.dist import NonFiniteError
 
 from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction, step_size
@@ -90,12 +88,14 @@ class SignMuon(SignVoteOptimizer):
             of embeddings and heads as it changes. Pass (0.9, 0.999) for
             torch's. The path's weight decay is the group's ``weight_decay`` (0 by default).
         adamw_eps: AdamW's epsilon on that path.
-        vote: as :class:`SignumMV`; a non-finite mean gradient on the AdamW path skips that
+
+    Keyword Args:
+        vote (VoteConfig): as :class:`SignumMV`; a non-finite mean gradient on the AdamW path skips that
             parameter (counted in ``stats.skipped``) or raises, as ``nonfinite`` says.
-        process_group: as :class:`SignumMV`.
-        vote_in_step: as :class:`SignumMV`.
-        checkpoint_all_ranks: as :class:`SignumMV`.
-        master_weights: as :class:`SignumMV`.
+        process_group (ProcessGroup): as :class:`SignumMV`.
+        vote_in_step (bool): as :class:`SignumMV`.
+        checkpoint_all_ranks (bool): as :class:`SignumMV`.
+        master_weights (bool): as :class:`SignumMV`.
 
     Under the DDP hook (or :meth:`register_backward_reducer`), ``step()`` applies the *sign* of
     what the vote left in ``.grad`` (and leaves that sign in ``.grad``), so gradient clipping,
@@ -123,11 +123,7 @@ class SignMuon(SignVoteOptimizer):
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
-        vote: VoteConfig | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        vote_in_step: bool = False,
-        checkpoint_all_ranks: bool = False,
-        master_weights: bool = False,
+        **options: Any,
     ) -> None:
         self.ns_seconds = 0.0  # host seconds in Newton–Schulz, this rank (on a GPU: launch time only)
         defaults = dict(
@@ -150,11 +146,7 @@ class SignMuon(SignVoteOptimizer):
         super().__init__(
             params,
             defaults,
-            vote=vote,
-            process_group=process_group,
-            vote_in_step=vote_in_step,
-            checkpoint_all_ranks=checkpoint_all_ranks,
-            master_weights=master_weights,
+            **options,  # vote, process_group, vote_in_step, checkpoint_all_ranks, master_weights
         )
 
     def check_group(self, group: dict[str, Any]) -> None:

@@ -6,9 +6,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from signmuon.comm_hooks import VoteConfig
 
 from .sign_vote import SignVoteOptimizer
 
@@ -29,18 +26,20 @@ class SignumMV(SignVoteOptimizer):
         lr: each entry moves by ``lr`` per step (or 0 where the vote is 0).
         momentum: beta in [0, 1); 0 is signSGD-MV.
         weight_decay: decoupled weight decay lambda (``W -= lr*lambda*W``).
-        vote: the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
+
+    Keyword Args:
+        vote (VoteConfig): the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
             algorithm, kernels, ``hierarchical``, and ``nonfinite``: if any rank's gradient
             holds NaN or Inf, ``"skip"`` moves no voted entry that step, counted in
             ``stats.skipped``, the rank with the bad gradient keeping its momentum; ``"raise"``
             raises on every rank). Also used by the DDP hook.
-        process_group: ranks that vote (None = WORLD).
-        vote_in_step: let ``step()`` vote across ``process_group`` itself (no DDP hook).
-        checkpoint_all_ranks: make ``state_dict()`` a collective that gathers every rank's
+        process_group (ProcessGroup): ranks that vote (None = WORLD).
+        vote_in_step (bool): let ``step()`` vote across ``process_group`` itself (no DDP hook).
+        checkpoint_all_ranks (bool): make ``state_dict()`` a collective that gathers every rank's
             local momentum into the one dict (so a checkpoint written by rank 0 alone, as
             DeepSpeed writes it, resumes every rank exactly; ``load_state_dict`` picks this
             rank's part). Off by default: then each rank saves its own ``state_dict()``.
-        master_weights: keep a float32 copy of every 16-bit (bf16, fp16) parameter in the state;
+        master_weights (bool): keep a float32 copy of every 16-bit (bf16, fp16) parameter in the state;
             updates go to it and the parameter becomes its rounded copy, so steps smaller than
             the parameter's 16-bit spacing add up. Momentum is float32 for 16-bit parameters
             either way.
@@ -53,20 +52,12 @@ class SignumMV(SignVoteOptimizer):
         momentum: float = 0.9,
         *,
         weight_decay: float = 0.0,
-        vote: VoteConfig | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        vote_in_step: bool = False,
-        checkpoint_all_ranks: bool = False,
-        master_weights: bool = False,
+        **options: Any,
     ) -> None:
         super().__init__(
             params,
             dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
-            vote=vote,
-            process_group=process_group,
-            vote_in_step=vote_in_step,
-            checkpoint_all_ranks=checkpoint_all_ranks,
-            master_weights=master_weights,
+            **options,  # vote, process_group, vote_in_step, checkpoint_all_ranks, master_weights
         )
 
     def check_group(self, group: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """The vote: its settings, the sign encoding, the transport that moves encoded shards, the
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
-from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank
+from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank, vote_in_place
 from .compressed_allreduce import scaled_sign_allreduce
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
 from .encodings import ByzantineFault, MomentumStep, error_buffer_sizes
@@ -46,5 +46,6 @@ __all__ = [
     "scaled_sign_allreduce",
     "unpack_signs",
     "vote_bytes_per_rank",
+    "vote_in_place",
     "mean_node_aware",
 ]

@@ -35,7 +35,7 @@ from .encodings import VOTE_ENCODINGS, MomentumStep, VoteCall
 from .packing import check_float
 from .transport import TransportWork, default_two_phase, transport_bytes_per_rank
 
-__all__ = ["VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank"]
+__all__ = ["VoteWork", "majority_vote", "majority_vote_async", "vote_bytes_per_rank", "vote_in_place"]
 
 
 def vote_bytes_per_rank(numel: int, world_size: int, algorithm: str = "auto", agree_sizes: bool = True) -> int:
@@ -167,3 +167,33 @@ def majority_vote(
         ``stats.skipped``) or :class:`NonFiniteError` on every rank (``"raise"``).
     """
     return VoteWork(tensor, group, config, **options).wait()
+
+
+def vote_in_place(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    config: VoteConfig,
+    *,
+    step: int,
+    segments: SignSegments,
+    stats: CommStats | None,
+    label: str,
+    input_nonfinite: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`majority_vote` of ``tensor`` into itself at ``step`` (which tags the call too),
+    for callers whose sizes agree by construction (an optimizer's step: its parameter shapes are
+    compared with its settings)."""
+    work = VoteWork(
+        tensor,
+        group,
+        config,
+        step=step,
+        segments=segments,
+        out=tensor,
+        stats=stats,
+        label=label,
+        tag=step,
+        input_nonfinite=input_nonfinite,
+        agree_sizes=False,
+    )
+    return work.wait()
