@@ -44,15 +44,45 @@ def _shared_scales(deltas, sizes, scale_bits):
     return [sum(s[i] for s in own) / len(own) for i in range(len(sizes))]
 
 
-def _sign_vote_combine(deltas, sizes, scale_bits=32):
-    """Majority vote of the deltas' signs, each tensor scaled by :func:`_shared_scales`."""
-    voted = vote_reference(torch.stack([d.sign() for d in deltas]))
+def _coin_vote(deltas, round_index):
+    """The vote with ``tie="fast"``: a tie among the voters takes the coin of the definition,
+    ``tie_bit(call_key(seed 0, round), segment 0, entry)``, entries counted from the start of what
+    the workers vote together."""
+    from signmuon.comm_hooks.kernels import reference
+    from signmuon.comm_hooks.vote.encodings.sign import call_key
+
+    signs = torch.stack([d.sign() for d in deltas]).double()
+    total, present = signs.sum(0), (signs != 0).sum(0)
+    voted = torch.sign(total).float()
+    key = call_key(0, round_index)
+    for i in ((total == 0) & (present > 0)).nonzero().view(-1).tolist():
+        voted[i] = 2.0 * reference.tie_bit(key, 0, i) - 1
+    return voted
+
+
+def _sign_vote_combine(deltas, sizes, scale_bits=32, coin_round=None):
+    """Majority vote of the deltas' signs (exact ties; fast ones with ``coin_round``, the round's
+    index), each tensor scaled by :func:`_shared_scales`."""
+    if coin_round is None:
+        voted = vote_reference(torch.stack([d.sign() for d in deltas]))
+    else:
+        voted = _coin_vote(deltas, coin_round)
     scales = _shared_scales(deltas, sizes, scale_bits)
     return torch.cat([piece * scale for piece, scale in zip(voted.split(sizes), scales)])
 
 
 def _reference(
-    workers, steps, period, outer_lr=0.7, momentum=0.9, pull=1.0, push=0.0, combine="mean", block=0, scale_bits=32
+    workers,
+    steps,
+    period,
+    outer_lr=0.7,
+    momentum=0.9,
+    pull=1.0,
+    push=0.0,
+    combine="mean",
+    block=0,
+    scale_bits=32,
+    tie="exact",
 ):
     """Each worker's flat parameters after every step (``block``: entries per scale of the vote)."""
     models = [rounds_model() for _ in range(workers)]
@@ -70,18 +100,19 @@ def _reference(
             rounds_loss(m, rounds_batch(w, step)).backward()
             opt.step()
         if (step + 1) % period == 0:
+            coins = (step + 1) // period - 1 if tie == "fast" else None
             deltas = [consensus - flat_params(m) for m in models]
             if combine == "mean":
                 consensus.grad = sum(deltas) / workers
             elif combine == "sign_vote":
-                consensus.grad = _sign_vote_combine(deltas, sizes, scale_bits)
+                consensus.grad = _sign_vote_combine(deltas, sizes, scale_bits, coins)
             elif combine == "sign_vote_ef":
                 errors = errors or [torch.zeros_like(consensus) for _ in range(workers)]
                 fed = [d + e for d, e in zip(deltas, errors)]
                 for w, c in enumerate(fed):  # each worker keeps what its own scaled signs leave out
                     pieces = c.split(sizes)
                     errors[w] = torch.cat([p - p.sign() * p.abs().mean() for p in pieces])
-                consensus.grad = _sign_vote_combine(fed, sizes, scale_bits)
+                consensus.grad = _sign_vote_combine(fed, sizes, scale_bits, coins)
             else:
                 n = consensus.numel()
                 padded = -(-n // (8 * workers)) * 8 * workers
@@ -101,7 +132,7 @@ def _reference(
     return history
 
 
-def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, block=0, scale_bits=32):
+def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, block=0, scale_bits=32, tie="exact"):
     model = rounds_model()
     params = list(model.parameters())  # grouped: out of module order, as Muon's groups are
     given = [{"params": params[::2]}, {"params": params[1::2][::-1]}] if grouped else params
@@ -109,7 +140,7 @@ def _rounds_worker(rank, world_size, pull, push, combine, steps, grouped=False, 
     outer = OuterStep(
         optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
         pseudo_gradient=combine,
-        vote=VoteConfig(tie="exact"),
+        vote=VoteConfig(tie=tie),
         scale_block=block,
         scale_bits=scale_bits,
     )
@@ -171,6 +202,19 @@ def test_the_parameters_may_come_in_another_order_and_grouping():
 def test_one_bit_rounds_equal_the_reference(combine, block, scale_bits, workers):
     results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS, False, block, scale_bits)
     expected = _reference(workers, STEPS, H, combine=combine, block=block, scale_bits=scale_bits)
+    for rank, (history, _, _, _) in enumerate(results):
+        for step, got in enumerate(history):
+            torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+
+
+@pytest.mark.parametrize("combine, block, workers", [("sign_vote", 0, 2), ("sign_vote", 0, 4), ("sign_vote_ef", 5, 4)])
+def test_one_bit_rounds_with_fast_ties_equal_the_reference(combine, block, workers):
+    """tie="fast": where the workers split evenly the round's coin decides, the same on every rank
+    (two-phase on 4 workers: each votes its shard with the coins of the whole)."""
+    results = run_distributed(_rounds_worker, workers, 1.0, 0.0, combine, STEPS, False, block, 32, "fast")
+    expected = _reference(workers, STEPS, H, combine=combine, block=block, tie="fast")
+    exact = _reference(workers, STEPS, H, combine=combine, block=block)
+    assert not torch.equal(expected[-1][0], exact[-1][0]), "ties occur, and the coins move the consensus"
     for rank, (history, _, _, _) in enumerate(results):
         for step, got in enumerate(history):
             torch.testing.assert_close(got, expected[step][rank], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
@@ -309,15 +353,15 @@ def test_resume_is_bit_identical(combine):
 # --- node-aware rounds ------------------------------------------------------------------------
 
 
-def _node_worker(rank, world_size, combine, block=0, scale_bits=32):
+def _node_worker(rank, world_size, combine, block=0, scale_bits=32, tie="exact"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     layout = node_layout(None, 2)
     model = DDP(rounds_model())
     outer = OuterStep.diloco(pseudo_gradient=combine)
-    if combine != "mean":  # exact ties, as the single-process references vote
+    if combine != "mean":  # the ties the reference votes
         outer = OuterStep(
-            optimizer=outer.optimizer, pseudo_gradient=combine, vote=VoteConfig(tie="exact"), scale_block=block,
+            optimizer=outer.optimizer, pseudo_gradient=combine, vote=VoteConfig(tie=tie), scale_block=block,
             scale_bits=scale_bits,
         )  # fmt: skip
     averager = LocalStepAverager(period=H, pull=1.0, outer=outer, module=model.module, layout=layout)
@@ -376,25 +420,33 @@ def _fsdp_parts(shapes, per_node):
     return parts
 
 
-def _node_combine(deltas, errors, combine, parts, block, scale_bits):
+def _node_combine(deltas, errors, combine, parts, block, scale_bits, coins=None, scaled=None):
     """The nodes' pseudo-gradients combined as the rounds do when each local rank carries a part
     of the parameters (``parts``: its entries and its blocks): each part on its own, with its own
-    scales and its own error feedback."""
+    scales, coins (``coins``: the round, for fast ties; entries counted from the part's start) and
+    error feedback (``scaled``: each part's worker and server buffers of ``"scaled_sign"``)."""
     if combine == "mean":
         return sum(deltas) / len(deltas)
     grad = torch.zeros_like(deltas[0])
-    for index, blocks_of in parts:
+    for part, (index, blocks_of) in enumerate(parts):
         blocks = blocks_of(block)
         pieces = [d[index] for d in deltas]
+        if combine == "scaled_sign":
+            nodes, n = len(pieces), index.numel()
+            padded = -(-n // (8 * nodes)) * 8 * nodes
+            if part not in scaled:
+                scaled[part] = ([torch.zeros(padded) for _ in pieces], [torch.zeros(padded // nodes) for _ in pieces])
+            grad[index], *scaled[part] = compressed_allreduce_reference(pieces, *scaled[part])
+            continue
         if combine == "sign_vote_ef":
             pieces = [p + e[index] for p, e in zip(pieces, errors)]
             for e, p in zip(errors, pieces):  # each node keeps what its own scaled signs leave out
                 e[index] = torch.cat([q - q.sign() * q.abs().mean() for q in p.split(blocks)])
-        grad[index] = _sign_vote_combine(pieces, blocks, scale_bits)
+        grad[index] = _sign_vote_combine(pieces, blocks, scale_bits, coins)
     return grad
 
 
-def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=32, partition=_rail_parts):
+def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=32, partition=_rail_parts, tie="exact"):
     """DiLoCo over `nodes` workers whose gradient is the mean of their ranks' gradients; one-bit
     rules combine each local rank's part of the parameters (``partition``) on its own."""
     models = [rounds_model() for _ in range(nodes)]
@@ -403,6 +455,7 @@ def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=
     outer = torch.optim.SGD([consensus], lr=0.7, momentum=0.9, nesterov=True)
     parts = partition([tuple(p.shape) for p in models[0].parameters()], per_node)
     errors = [torch.zeros_like(consensus) for _ in range(nodes)]
+    scaled = {}
     history = []
     for step in range(steps):
         for node, (m, opt) in enumerate(zip(models, inners)):
@@ -413,7 +466,8 @@ def _node_reference(nodes, per_node, steps, combine="mean", block=0, scale_bits=
             opt.step()
         if (step + 1) % H == 0:
             deltas = [consensus - flat_params(m) for m in models]
-            consensus.grad = _node_combine(deltas, errors, combine, parts, block, scale_bits)
+            coins = (step + 1) // H - 1 if tie == "fast" else None
+            consensus.grad = _node_combine(deltas, errors, combine, parts, block, scale_bits, coins, scaled)
             outer.step()
             for m in models:
                 torch.nn.utils.vector_to_parameters(consensus.clone(), m.parameters())
@@ -441,14 +495,23 @@ def test_node_aware_rounds_equal_the_node_level_reference():
 
 
 @pytest.mark.parametrize(
-    "combine, block, scale_bits",
-    [("sign_vote", 0, 32), ("sign_vote_ef", 0, 32), ("sign_vote_ef", 5, 32), ("sign_vote_ef", 5, 8)],
+    "combine, block, scale_bits, tie",
+    [
+        ("sign_vote", 0, 32, "exact"),
+        ("sign_vote_ef", 0, 32, "exact"),
+        ("sign_vote_ef", 5, 32, "exact"),
+        ("sign_vote_ef", 5, 8, "exact"),
+        ("scaled_sign", 0, 32, "exact"),
+        ("sign_vote", 0, 32, "fast"),
+        ("sign_vote_ef", 5, 16, "fast"),
+    ],
 )
-def test_node_aware_one_bit_rounds_equal_the_node_level_reference(combine, block, scale_bits):
+def test_node_aware_one_bit_rounds_equal_the_node_level_reference(combine, block, scale_bits, tie):
     """2 nodes x 2 ranks: each rank votes its slice between the nodes with its own scales (blocks
-    cut at the slice's edges) and error feedback, against the nodes as single workers."""
-    results = run_distributed(_node_worker, 4, combine, block, scale_bits)
-    expected = _node_reference(2, 2, STEPS, combine, block, scale_bits)
+    cut at the slice's edges), coins (counted from the slice's start) and error feedback, against
+    the nodes as single workers."""
+    results = run_distributed(_node_worker, 4, combine, block, scale_bits, tie)
+    expected = _node_reference(2, 2, STEPS, combine, block, scale_bits, tie=tie)
     for rank, (history, _, _) in enumerate(results):
         for step, got in enumerate(history):
             torch.testing.assert_close(
@@ -542,7 +605,7 @@ def test_diloco_equals_torchft_step_for_step():
 # --- rounds on FSDP2's shards: FSDP2 inside each node, rounds between nodes ---------------------
 
 
-def _fsdp_rounds_worker(rank, world_size, combine="mean", block=0, scale_bits=32):
+def _fsdp_rounds_worker(rank, world_size, combine="mean", block=0, scale_bits=32, tie="exact"):
     from torch.distributed.fsdp import fully_shard
 
     from signmuon.optim import node_mesh
@@ -562,11 +625,11 @@ def _fsdp_rounds_worker(rank, world_size, combine="mean", block=0, scale_bits=32
         ),
     )
     outer = OuterStep.diloco()
-    if combine != "mean":  # exact ties, as the single-process references vote
+    if combine != "mean":  # the ties the reference votes
         outer = OuterStep(
             optimizer=outer.optimizer,
             pseudo_gradient=combine,
-            vote=VoteConfig(tie="exact"),
+            vote=VoteConfig(tie=tie),
             scale_block=block,
             scale_bits=scale_bits,
         )
@@ -601,12 +664,21 @@ def test_rounds_on_fsdp2_shards_equal_the_node_level_reference():
     assert sum(r[2] for r in results[:2]) == numel  # a node's two shards make the whole model
 
 
-@pytest.mark.parametrize("combine, block, scale_bits", [("sign_vote", 0, 32), ("sign_vote_ef", 5, 8)])
-def test_one_bit_rounds_on_fsdp2_shards_equal_the_node_level_reference(combine, block, scale_bits):
+@pytest.mark.parametrize(
+    "combine, block, scale_bits, tie",
+    [
+        ("sign_vote", 0, 32, "exact"),
+        ("sign_vote_ef", 5, 8, "exact"),
+        ("scaled_sign", 0, 32, "exact"),
+        ("sign_vote", 0, 32, "fast"),
+        ("sign_vote_ef", 5, 16, "fast"),
+    ],
+)
+def test_one_bit_rounds_on_fsdp2_shards_equal_the_node_level_reference(combine, block, scale_bits, tie):
     """Each rank's rows of each tensor, voted with the same rows of the other node: scales per
-    shard (blocks counted from each shard's first entry), error feedback per shard."""
-    results = run_distributed(_fsdp_rounds_worker, 4, combine, block, scale_bits)
-    expected = _node_reference(2, 2, STEPS, combine, block, scale_bits, partition=_fsdp_parts)
+    shard (blocks counted from each shard's first entry), coins and error feedback per shard."""
+    results = run_distributed(_fsdp_rounds_worker, 4, combine, block, scale_bits, tie)
+    expected = _node_reference(2, 2, STEPS, combine, block, scale_bits, partition=_fsdp_parts, tie=tie)
     for rank, (history, *_) in enumerate(results):
         for step, got in enumerate(history):
             torch.testing.assert_close(
