@@ -84,7 +84,7 @@ for offset in (1, 3):  # the node-aware vote's slice of a node mean: a gradient 
     assert torch.equal(got_m.cpu(), ref_m) and torch.equal(got[0].cpu(), ref[0]), ("unaligned slice", offset)
 x = torch.randn(1 << 20, device="cuda")
 assert torch.equal(majority_vote(x, config=VoteConfig()), torch.sign(x))
-from signmuon.comm_hooks.vote.zero_codes import plane_from_runs, zero_runs
+from signmuon.comm_hooks.vote.encodings.zero_codes import plane_from_runs, zero_runs
 rows = torch.randn(3000, 96)
 rows[:700], rows[900::31] = 0.0, 0.0  # an embedding's absent rows: zeros sent as runs
 _, nonzero, _, _ = cuda.pack(rows.view(-1).cuda(), words_for(rows.numel()))
@@ -150,7 +150,7 @@ def worker(rank, init):
     torch.cuda.set_device(0)
     from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, node_layout, sign_vote_hook
     from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
-    from signmuon.optim import DPPFAverager, OuterStep, SignMuon, SignumMV
+    from signmuon.optim import LocalStepAverager, OuterStep, SignMuon, SignumMV
     torch.manual_seed(0)
     make = lambda: nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).cuda()
     x = torch.randn(64, 512, device="cuda") + rank
@@ -184,7 +184,7 @@ def worker(rank, init):
         syncs = count_syncs(lambda: voter.vote(shards, specs, lambda i, g: g, lambda i, t: t, None, step=step, label="audit"))
     report.append(f"FSDP voter step: {syncs} syncs")
     net = make()
-    averager = DPPFAverager(period=1, module=net, outer=OuterStep.diloco(pseudo_gradient="sign_vote"))
+    averager = LocalStepAverager(period=1, module=net, outer=OuterStep.diloco(pseudo_gradient="sign_vote"))
     for step in range(3):
         with torch.no_grad():
             for p in net.parameters():
@@ -275,7 +275,7 @@ PY
   echo '```'
   MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 RANK=0 WORLD_SIZE=1 section rounds-cuda 60 "$python" - <<'PY'
 import dataclasses, torch, torch.distributed as dist
-from signmuon.optim import DPPFAverager, OuterStep
+from signmuon.optim import LocalStepAverager, OuterStep
 dist.init_process_group("nccl")
 torch.cuda.set_device(0)
 eight_bit = dataclasses.replace(OuterStep.diloco(pseudo_gradient="sign_vote_ef"), scale_block=64, scale_bits=8)
@@ -285,7 +285,7 @@ for rule, outer in [(r, OuterStep.diloco(pseudo_gradient=r)) for r in ("mean", "
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10)).to(device)
-        averager = DPPFAverager(period=1, pull=1.0, outer=outer, module=net)
+        averager = LocalStepAverager(period=1, pull=1.0, outer=outer, module=net)
         with torch.no_grad():
             for p in net.parameters():
                 p.grad = torch.zeros_like(p)
@@ -310,7 +310,7 @@ import os, sys
 import torch, torch.distributed as dist
 from torch import nn
 from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
-from signmuon.optim import DPPFAverager, OuterStep
+from signmuon.optim import LocalStepAverager, OuterStep
 
 backend, out = sys.argv[1], sys.argv[2]
 dist.init_process_group(backend)
@@ -335,7 +335,7 @@ for name, config in configs:
         results[f"{name} step {step}"] = [p.grad.detach().cpu().clone() for p in net.parameters()]
 torch.manual_seed(0)
 net = nn.Linear(300, 200).to(device)
-averager = DPPFAverager(period=1, module=net, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), track_distances=False)
+averager = LocalStepAverager(period=1, module=net, outer=OuterStep.diloco(pseudo_gradient="sign_vote"), track_distances=False)
 with torch.no_grad():
     for p in net.parameters():
         p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(device))

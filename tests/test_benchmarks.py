@@ -10,6 +10,7 @@ import torch
 
 from signmuon.benchmarks.commands import bandwidth
 from signmuon.benchmarks.commands.ns_precision import flip_fraction, momentum
+from signmuon.benchmarks.methods.registry import names_for
 from tests.harness import run_distributed
 
 
@@ -35,7 +36,7 @@ def test_bandwidth_sweep_writes_table_json_csv_and_plot(tmp_path, capsys):
             "--no-progress",
         ]
     )
-    assert {r["method"] for r in rows} == set(bandwidth.METHODS)
+    assert {r["method"] for r in rows} == set(names_for("bandwidth"))
     by = {(r["method"], r["numel"]): r for r in rows if "error" not in r}
     fp32, vote = by[("allreduce", 65536)], by[("signsgd_mv_exact", 65536)]
     assert fp32["bytes_per_rank"] / vote["bytes_per_rank"] > 25  # ~32x fewer bytes, plus headers
@@ -507,10 +508,11 @@ def test_the_gpu_check_scripts_compile_and_their_imports_exist():
     script = (Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh").read_text()
     snippets = re.findall(r"<<'PY'\n(.*?)\nPY\n", script, flags=re.S)
     assert len(snippets) == 5, len(snippets)
-    modules = set(re.findall(r"-m (signmuon\.benchmarks\.\w+)", script))
-    assert modules, script
-    for module in modules:
-        assert hasattr(importlib.import_module(module), "main"), module
+    from signmuon.benchmarks.commands import COMMANDS
+
+    commands = set(re.findall(r"-m signmuon\.benchmarks ([\w-]+)", script))
+    assert commands and commands <= set(COMMANDS), commands  # every command it runs exists
+    assert not re.findall(r"-m signmuon\.benchmarks\.", script), "commands run through the dispatcher"
     for snippet in snippets:
         for node in ast.walk(ast.parse(snippet)):
             if isinstance(node, ast.ImportFrom) and node.module.startswith("signmuon"):
@@ -524,7 +526,8 @@ def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsy
     # The cost model's check against emulated links, small: 2 ranks (one per core), base
     # 10 Gbit/s, one slow rate. Each prediction is the base step plus the shaped link's wire
     # time of the bytes the hook counted; the ring's 30 Mbit/s step is dominated by its wire.
-    from signmuon.benchmarks.commands.plan import validate, wire_seconds
+    from signmuon.benchmarks.commands.plan import validate
+    from signmuon.benchmarks.cost.validation import wire_seconds
 
     rows = validate(
         rates=("30mbit",), base="10gbit", width=256, steps=3, layouts=((2, 1, ("allreduce", "signsgd_mv")),)

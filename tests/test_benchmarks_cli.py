@@ -11,8 +11,6 @@ import sys
 import pytest
 import torch
 
-from signmuon.benchmarks.commands import bandwidth
-
 
 def test_cli_dispatches_commands_and_rejects_unknown_ones(capsys):
     import pytest
@@ -149,17 +147,23 @@ def test_help_names_the_command_shows_defaults_and_no_rst(command, capsys):
     assert all(f"  {name} " in out for name in methods)  # the registry's list, for commands with --methods
 
 
-def test_each_command_implements_exactly_its_registry_names():
-    from signmuon.benchmarks.commands import ddp_step, deepspeed_step, train
-    from signmuon.benchmarks.methods.registry import METHODS, RENAMED, names_for
+def test_every_method_is_defined_once_with_a_builder_per_command_that_runs_it():
+    import inspect
 
-    assert set(train.METHODS) == set(names_for("train"))
-    assert bandwidth.METHODS == names_for("bandwidth") and ddp_step.METHODS == names_for("ddp-step")
-    assert deepspeed_step.METHODS == names_for("deepspeed-step")
-    assert all(info.commands for info in METHODS.values())
+    from signmuon.benchmarks.methods.registry import METHODS, RENAMED, builder, names_for
+
+    commands = {"bandwidth", "ddp-step", "deepspeed-step", "train", "train:fsdp", "plan"}
+    assert all(method.builders and set(method.builders) <= commands for method in METHODS.values())
     assert not set(RENAMED) & set(METHODS) and set(RENAMED.values()) <= set(METHODS)
-    with pytest.raises(ValueError, match="no implementation of 'signum_mv_optim'"):
-        ddp_step._register(None, "signum_mv_optim", None, None, None)
+    assert set(names_for("train:fsdp")) <= set(names_for("train")), "a sharded form of a method train runs"
+    tuned = [m.tuned_as for m in METHODS.values() if m.tuned_as]
+    assert tuned and set(tuned) <= set(names_for("train"))
+    with pytest.raises(ValueError, match="ddp-step has no method 'signum_mv_optim'; it runs allreduce"):
+        builder("signum_mv_optim", "ddp-step")
+    # No command dispatches on method names any more: each asks the registry for its builder.
+    for module in ("bandwidth", "ddp_step", "deepspeed_step", "train", "plan"):
+        source = inspect.getsource(__import__(f"signmuon.benchmarks.commands.{module}", fromlist=["x"]))
+        assert 'method == "' not in source and "method.startswith(" not in source, module
 
 
 def test_dppf_sweep_compares_each_setting_with_local_sgd_of_its_period():

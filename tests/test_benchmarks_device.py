@@ -10,4 +10,4 @@ def test_the_mean_worker_accuracy_is_reduced_on_the_group_device():
     with gpu_world(4) as world:
         mean_over_workers(0.75)
         assert not world.misplaced, world.misplaced
-        assert any("benchmarks/train.py" in site for site in world.reads.sites), world.reads  # it ran there
+        assert any("benchmarks/runs/training.py" in site for site in world.reads.sites), world.reads  # it ran there

@@ -112,7 +112,8 @@ def test_plan_takes_the_rounds_period_and_bits_from_the_command_line(capsys):
 
 
 def test_validation_passes_combine_into_medians_per_point():
-    from signmuon.benchmarks.commands.plan import main, median_rows
+    from signmuon.benchmarks.commands.plan import main
+    from signmuon.benchmarks.cost.validation import median_rows
 
     def point(rate, predicted, measured):
         return {
@@ -139,7 +140,7 @@ def test_validation_passes_combine_into_medians_per_point():
 
 
 def test_the_shaped_links_token_bucket_refills_only_while_the_link_is_idle():
-    from signmuon.benchmarks.commands.plan import wire_seconds
+    from signmuon.benchmarks.cost.validation import wire_seconds
 
     mb = 1e6
     assert wire_seconds(3 * mb, "1gbit") == pytest.approx(8 * (3 * mb - 1.25 * mb) / 1e9)  # 10 ms of traffic held

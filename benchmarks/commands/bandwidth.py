@@ -19,94 +19,20 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from signmuon.benchmarks.methods.registry import names_for
-from signmuon.benchmarks.runtime.cli import command_parser, parse_methods, positive_int, size
+from signmuon.benchmarks.methods.registry import add_methods_option, builder, parse_methods
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int, size
 from signmuon.benchmarks.runtime.launch import (
     run_distributed,
     run_torchrun,
     timed_calls,
     under_torchrun,
 )
-from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote, node_layout, vote_bytes_per_rank
-from signmuon.comm_hooks.dist import ring_bytes
-from signmuon.comm_hooks.vote import NodeVoteWork
-from signmuon.integrations.deepspeed import SignCompressedBackend
 
 NAME = "bandwidth"
 SUMMARY = "message sizes x reduction methods: time, bytes per rank, algbw/busbw, speed-up"
-
-
-METHODS = names_for("bandwidth")
-
-
-def _matrix_shape(numel: int) -> tuple[int, int]:
-    rows = max(1, int(math.sqrt(numel)))
-    return rows, -(-numel // rows)
-
-
-def make_call(method: str, grad: torch.Tensor, world_size: int) -> tuple[Callable[[], None], int]:
-    """(one call of ``method`` on ``grad``, algorithmic bytes this rank sends per call)."""
-    n = grad.numel()
-    if method == "allreduce":
-        buf = grad.clone()
-        return (lambda: dist.all_reduce(buf)), ring_bytes(4 * n, world_size)
-    if method == "bf16_allreduce":
-        buf = grad.to(torch.bfloat16)
-        return (lambda: dist.all_reduce(buf)), ring_bytes(2 * n, world_size)
-    if method == "int8_sum_allreduce":  # the SignMuon paper's vote: int8 signs summed
-        signs = torch.sign(grad).to(torch.int8)
-        buf = signs.clone()
-        return (lambda: (buf.copy_(signs), dist.all_reduce(buf))), ring_bytes(n, world_size)
-    if method in ("signsgd_mv_allgather", "signsgd_mv_exact", "signsgd_mv"):
-        algorithm = "all_gather" if method == "signsgd_mv_allgather" else "two_phase"
-        tie = "fast" if method == "signsgd_mv" else "exact"
-        out = torch.empty_like(grad)
-        stats = CommStats()
-        config = VoteConfig(tie=tie, algorithm=algorithm)
-        call = lambda: majority_vote(grad, config=config, out=out, stats=stats)  # noqa: E731
-        return call, vote_bytes_per_rank(n, world_size, algorithm)
-    if method == "signsgd_mv_node":  # node-aware: fp32 inside the node, one bit between (LOCAL_WORLD_SIZE)
-        layout = node_layout(None, None)
-        config = VoteConfig(hierarchical=True)
-        if layout.flat:
-            out = torch.empty_like(grad)
-            return (lambda: majority_vote(grad, config=config.rail, out=out)), vote_bytes_per_rank(n, world_size)
-        buf, out = grad.clone(), torch.empty_like(grad)
-        c = -(-n // layout.ranks_per_node)
-        mine = min(n, (layout.local_rank + 1) * c) - min(n, layout.local_rank * c)
-        call = lambda: (buf.copy_(grad), NodeVoteWork(buf, layout, config, out=out).wait())  # noqa: E731
-        return call, vote_bytes_per_rank(mine, layout.nodes, agree_sizes=False)  # between nodes only
-    if method.startswith("powersgd_r"):
-        rank = int(method.removeprefix("powersgd_r"))
-        rows, cols = _matrix_shape(n)
-        matrix = torch.zeros(rows * cols)
-        matrix[:n] = grad
-        matrix = matrix.view(rows, cols)
-        q = torch.randn(cols, rank, generator=torch.Generator().manual_seed(0))
-
-        def powersgd():  # PowerSGD's two all-reduces: P = M Q, orthogonalise, Q = M^T P
-            p = matrix @ q
-            dist.all_reduce(p)
-            p_orth, _ = torch.linalg.qr(p)
-            q_new = matrix.T @ p_orth
-            dist.all_reduce(q_new)
-            return p_orth @ q_new.T
-
-        return powersgd, ring_bytes(4 * rank * (rows + cols), world_size)
-    if method == "ef_1bit":
-        backend = SignCompressedBackend()
-        padded = -(-n // (8 * world_size)) * 8 * world_size
-        worker_error, server_error = torch.zeros(padded), torch.zeros(padded // world_size)
-        buf = grad.clone()
-        call = lambda: backend.compressed_allreduce(buf.copy_(grad), worker_error, server_error)  # noqa: E731
-        chunk = padded // world_size
-        return call, 2 * (world_size - 1) * (chunk // 8 + 4)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
@@ -124,7 +50,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         for method in args.methods:
             try:
-                call, sent = make_call(method, grad, world_size)
+                call, sent = builder(method, "bandwidth")(grad, world_size)
                 for _ in range(args.warmup):
                     call()
                 times = sorted(timed_calls(call, args.iters))
@@ -213,7 +139,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("bandwidth", __doc__, methods="bandwidth")
+    parser = command_parser("bandwidth", __doc__)
+    add_methods_option(parser, "bandwidth")
     parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--sizes", nargs="+", type=size, default=["1K", "16K", "256K", "4M", "16M"])
     parser.add_argument("--warmup", type=int, default=2)

@@ -2,7 +2,7 @@
 
 Compares no hook (DDP's fp32 all-reduce), torch's ``fp16_compress_hook`` and PowerSGD (on gloo
 one bucket at a time: torch's hook issues collectives from future callbacks, which gloo would
-pair out of order across ranks; ``methods.serial_powersgd_hook``; its bytes by the formula of P
+pair out of order across ranks; ``methods.hooks.serial_powersgd_hook``; its bytes by the formula of P
 and Q per bucket), and
 our hooks (signSGD-MV, Signum-MV, SignMuon; ``*_node``: the node-aware vote, full precision
 inside a node and one bit between nodes), all in one run, as ratios to the fp32 all-reduce
@@ -24,75 +24,23 @@ import argparse
 import json
 import os
 import statistics
-from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.methods.registry import names_for
-from signmuon.benchmarks.methods.training import counted_powersgd_hook, fsdp_traffic, shard_blocks
-from signmuon.benchmarks.runtime.cli import command_parser, parse_methods, positive_int
+from signmuon.benchmarks.methods.registry import add_methods_option, builder, parse_methods
+from signmuon.benchmarks.methods.training import fsdp_traffic
+from signmuon.benchmarks.runtime.cli import add_vote_zeros, command_parser, positive_int
 from signmuon.benchmarks.runtime.launch import (
     run_distributed,
     run_torchrun,
     timed_calls,
     under_torchrun,
 )
-from signmuon.benchmarks.workloads.models import mlp
-from signmuon.comm_hooks import CommStats, SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.comm_hooks.dist import all_reduce, group_device, ring_bytes
-from signmuon.comm_hooks.vote import ZERO_RULES
-from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
 
 NAME = "ddp-step"
 SUMMARY = "DDP step time of a ~10M-parameter MLP: fp32 all-reduce, fp16, PowerSGD, sign vote"
-
-
-METHODS = names_for("ddp-step")
-NODE_AWARE = {"signsgd_mv_node": "signsgd_mv", "signum_mv_node": "signum_mv", "signmuon_node": "signmuon"}
-FSDP = {"fsdp_reduce_scatter": None, "fsdp_signum_mv": SignumMV, "fsdp_signmuon": SignMuon}
-
-
-def _register(model: DDP, method: str, group, optimizer, vote: VoteConfig) -> object | None:
-    method = NODE_AWARE.get(method, method)
-    if method == "fp16_allreduce":
-        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
-    elif method == "powersgd_r1":
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        stats = CommStats()  # ring bytes of P and Q, counted by the hook
-        model.register_comm_hook(state, counted_powersgd_hook(1, stats))
-        return SimpleNamespace(stats=stats)
-    elif method in ("signsgd_mv", "signum_mv"):
-        state = SignVoteState(
-            process_group=group, start_iter=1, momentum=0.9 if method == "signum_mv" else 0.0, vote=vote
-        )
-        model.register_comm_hook(state, sign_vote_hook)
-        return state
-    elif method == "signmuon":
-        return optimizer.register_comm_hook(model)
-    elif method != "allreduce":  # DDP's own all-reduce needs no hook
-        raise ValueError(f"ddp-step has no implementation of {method!r}")
-    return None
-
-
-def _fsdp(method: str, args: argparse.Namespace, device: torch.device):
-    """(model, optimizer, stats owner or None, ranks FSDP2 shards over) for an ``fsdp_*`` row."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    net = mlp(args.width, args.depth).to(device)
-    optimizer = FSDP[method]
-    if optimizer is None:
-        world_size = dist.get_world_size()
-        shard_blocks(net, init_device_mesh(device.type, (world_size,)))
-        return net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9), None, world_size
-    mesh = node_mesh(args.ranks_per_node, device_type=device.type)
-    shard_blocks(net, mesh["local"])
-    opt = optimizer(net.parameters(), lr=1e-3, vote=VoteConfig(zeros=args.vote_zeros))
-    register_fsdp_vote(net, opt, mesh)
-    return net, opt, opt, mesh.shape[1]
 
 
 def _state_bytes(opt: torch.optim.Optimizer, hook_state) -> int:
@@ -107,20 +55,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
     rows = []
     for method in methods:
         torch.manual_seed(0)
-        shard_ranks = None
-        if method in FSDP:
-            model, opt, state, shard_ranks = _fsdp(method, args, device)
-        else:
-            model = DDP(
-                mlp(args.width, args.depth).to(device), device_ids=[device.index] if device.type == "cuda" else None
-            )
-            node = dict(hierarchical=True, ranks_per_node=args.ranks_per_node) if method in NODE_AWARE else {}
-            vote = VoteConfig(zeros=args.vote_zeros, **node)
-            if NODE_AWARE.get(method, method) == "signmuon":
-                opt = SignMuon(model.parameters(), lr=1e-3, vote=vote)
-            else:
-                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            state = _register(model, method, None, opt, vote)
+        setup = builder(method, "ddp-step")(args, device)
+        model, opt, state, shard_ranks = setup.model, setup.optimizer, setup.state, setup.shard_ranks
         gen = torch.Generator().manual_seed(rank)
         batches = [
             (
@@ -150,10 +86,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             )
         elif hooked:
             per_step = (state.stats.bytes_sent - sent_before) / args.steps  # measured by the hook
-        elif method == "fp16_allreduce":
-            per_step = ring_bytes(params * 2, world_size)
         else:
-            per_step = ring_bytes(params * 4, world_size)
+            per_step = ring_bytes(params * setup.bytes_per_entry, world_size)
         optimal = params * 2 * (world_size - 1) / world_size  # entries' worth of an optimal all-reduce
         bits = 8 * per_step / optimal if world_size > 1 else float("nan")
         row = {
@@ -164,15 +98,12 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             "bits_per_entry": bits,
             "state_bytes": _state_bytes(opt, state),
         }
-        if method in NODE_AWARE or (method in FSDP and hooked):
-            nodes, per_node = (
-                opt.exchange.layout if method in FSDP else (state.layout.nodes, state.layout.ranks_per_node)
-            )
+        if setup.node_layout is not None:
+            nodes, per_node, node_group = setup.node_layout()
             row["nodes"] = f"{nodes}x{per_node}"
             row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
             # A node's ranks carry different shares (SignMuon's owners): the node's sums, every
             # call counted (what the veth counters see) and per timed step.
-            node_group = opt.exchange.voter.layout.node_group if method in FSDP else state.layout.node_group
             between = state.stats.bytes_sent_between_nodes
             total = torch.tensor(
                 [float(between), (between - between_before) / args.steps], dtype=torch.float64, device=device
@@ -208,7 +139,8 @@ def report(rows: list[dict], world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("ddp-step", __doc__, methods="ddp-step")
+    parser = command_parser("ddp-step", __doc__)
+    add_methods_option(parser, "ddp-step")
     parser.add_argument("--world-size", type=positive_int, default=2, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--width", type=int, default=1728)
     parser.add_argument("--depth", type=int, default=4, help="hidden layers; 1728x4 is about 9.9M parameters")
@@ -217,12 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the rows to this file")
-    parser.add_argument(
-        "--vote-zeros",
-        default="abstain",
-        choices=ZERO_RULES,
-        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)",
-    )
+    add_vote_zeros(parser)
     parser.add_argument(
         "--ranks-per-node",
         type=int,

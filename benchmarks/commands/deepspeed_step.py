@@ -17,35 +17,19 @@ import argparse
 import os
 import statistics
 
-import torch
-from torch import nn
-
-from signmuon.benchmarks.methods.registry import names_for
-from signmuon.benchmarks.runtime.cli import command_parser, parse_methods
+from signmuon.benchmarks.methods.registry import add_methods_option, builder, parse_methods
+from signmuon.benchmarks.runtime.cli import command_parser
 from signmuon.benchmarks.runtime.launch import run_distributed, timed_calls
-from signmuon.benchmarks.workloads.models import mlp
 from signmuon.comm_hooks.dist import ring_bytes
 
 NAME = "deepspeed-step"
 SUMMARY = "the DeepSpeed engine's step: its fp32 all-reduce against the sign vote"
 
 
-METHODS = names_for("deepspeed-step")
-
-
-def _config(method: str, batch: int) -> dict:
-    config = {"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0}
-    if method.startswith("signsgd_mv"):
-        config["optimizer"] = {"type": "SignSGDMV", "params": {"lr": 1e-4}}
-    elif method == "signmuon":
-        config["optimizer"] = {"type": "SignMuon", "params": {"lr": 1e-4}}
-    return config
-
-
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     # Every method is built first and then timed in interleaved rounds, so drift on a shared
     # machine (and whatever runs first paying the allocator's warm-up) hits all methods alike.
-    setups = {method: _setup(method, args) for method in args.methods}
+    setups = {method: builder(method, "deepspeed-step")(args) for method in args.methods}
     for step, _, _ in setups.values():
         timed_calls(step, args.warmup)
     sent_before = {m: stats.bytes_sent if stats is not None else 0 for m, (_, stats, _) in setups.items()}
@@ -65,49 +49,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _setup(method: str, args: argparse.Namespace):
-    """(one training step, the statistics counting its bytes or None for DeepSpeed's all-reduce,
-    parameter count) of ``method`` on a fresh copy of the model."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from signmuon.integrations import deepspeed as sm_ds
-    from signmuon.optim import SignSGDMV
-
-    torch.manual_seed(0)
-    model = mlp(args.width, args.depth)
-    params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(args.batch, 512)
-    y = torch.randint(0, 10, (args.batch,))
-    if method == "ddp_signsgd_mv":  # the same step under DDP with SignSGDMV's hook
-        optimizer = SignSGDMV(model.parameters(), lr=1e-4)
-        ddp = DDP(model)
-        state = optimizer.register_comm_hook(ddp)
-
-        def ddp_step():
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-
-        return ddp_step, state.stats, params
-    client = torch.optim.SGD(model.parameters(), lr=1e-4) if method == "allreduce" else None
-    engine, optimizer, _, _ = sm_ds.initialize(
-        model=model,
-        config=_config(method, args.batch),
-        optimizer=client,
-        overlap_backward=not method.endswith("in_step"),
-    )
-
-    def engine_step():
-        engine.backward(nn.functional.cross_entropy(engine(x), y))
-        engine.step()
-
-    # Overlapped, the hook state counts the bytes; voting in step(), the optimizer does.
-    stats = None if method == "allreduce" else optimizer.stats if optimizer.vote_in_step else optimizer.comm_state.stats
-    return engine_step, stats, params
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("deepspeed-step", __doc__, methods="deepspeed-step")
+    parser = command_parser("deepspeed-step", __doc__)
+    add_methods_option(parser, "deepspeed-step")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--width", type=int, default=1728)
     parser.add_argument("--depth", type=int, default=4)

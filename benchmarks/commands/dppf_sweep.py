@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from signmuon.benchmarks.methods.training import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
+from signmuon.benchmarks.methods.local_steps import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
 from signmuon.benchmarks.methods.training import TrainConfig
 from signmuon.benchmarks.reports.curves import mean_std
 from signmuon.benchmarks.runs.training import run

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from signmuon.benchmarks.cost.kernels import measure
 from signmuon.benchmarks.runtime.cli import check_device, command_parser, positive_int, size
-from signmuon.benchmarks.workloads.kernels import measure
 from signmuon.comm_hooks.kernels import kernels_for
 
 NAME = "kernels"

@@ -1,4 +1,4 @@
-"""Plan a cluster: bytes, communication and step time per method from an α–β model (``cost.py``),
+"""Plan a cluster: bytes, communication and step time per method from an α–β model (``cost/model.py``),
 the speed-up over the fp32 all-reduce, and the crossover (the link rate above which the vote
 stops paying).
 
@@ -17,60 +17,19 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 
 from signmuon.benchmarks.commands import load
-from signmuon.benchmarks.cost.model import PLAN_METHODS, Cluster, Workload, crossover, parse_rate, predict
+from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
+from signmuon.benchmarks.cost.projection import GPT_SIZES, model_shapes, projection
+from signmuon.benchmarks.cost.validation import median_rows, wire_seconds
+from signmuon.benchmarks.methods.registry import names_for
 from signmuon.benchmarks.runtime.cli import command_parser, positive_int
 
 NAME = "plan"
 SUMMARY = "an α–β model: bytes and step time per method on a cluster, speed-up, crossover"
 
 
-__all__ = [
-    "GPT_SIZES",
-    "UNCROWDED_LAYOUTS",
-    "VALIDATION_LAYOUTS",
-    "main",
-    "median_rows",
-    "model_shapes",
-    "validate",
-    "wire_seconds",
-]
-
-# GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
-GPT_SIZES = {
-    "gpt-125m": (12, 768, 50257),
-    "gpt-1.3b": (24, 2048, 50257),
-    "gpt-7b": (32, 4096, 50257),
-    "gpt-70b": (80, 8192, 50257),
-}
-PROJECTION = {
-    "models": ("gpt-125m", "gpt-1.3b", "gpt-7b", "gpt-70b"),
-    "nodes": (2, 8, 32, 128, 512),
-    "links_gbit": (25, 100, 400),
-    "ranks_per_node": 8,
-    "tokens_per_rank": 8192,
-    "tflops": 400.0,
-    "kernel_gbps": 1000.0,
-    "ns_tflops": 200.0,
-}
-ASSUMPTIONS = (
-    "projection, not a measurement: 8 GPUs per node on NVLink (450 GB/s per GPU, 2 us), one NIC per GPU "
-    "(10 us per round between nodes), 8192 tokens per GPU per step, forward+backward at 400 TFLOP/s "
-    "(6·n·tokens flops), the vote's kernels at 1 TB/s of fp32 input, Newton–Schulz at 200 TFLOP/s, {overlap}, "
-    "one bit per entry (dense); SignMuon's Newton–Schulz split over "
-    "each node's 8 GPUs; one-bit rounds: the node's gradient all-reduce every step and a round every 32 steps, "
-    "its cost spread over them (the time per step only: how many more steps rounds need is not modelled)"
-)
-
-
-def model_shapes(name: str) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """(parameters, matrix shapes) of a GPT-style model of ``GPT_SIZES``."""
-    layers, width, vocab = GPT_SIZES[name]
-    per_layer = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]
-    matrices = tuple(per_layer * layers)  # the hidden matrices; the embedding is not orthogonalised
-    return sum(r * c for r, c in matrices) + vocab * width, matrices
+__all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "validate"]
 
 
 def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dict]:
@@ -122,108 +81,6 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
         )
 
 
-OVERLAP_WORDS = {
-    True: "backward (2/3 of the compute) hiding DDP's bucketed communication of 25 MB buckets (not the node-aware "
-    "votes' blocking gather in the node, nor a round)",
-    False: "no overlap of communication with backward (an upper bound)",
-}
-
-
-def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
-    """The projection table: every model, node count and link of :data:`PROJECTION`."""
-    rows = []
-    for name in PROJECTION["models"]:
-        params, matrices = model_shapes(name)
-        compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
-        workload = Workload(
-            params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12, overlap=overlap
-        )
-        for gbit in PROJECTION["links_gbit"]:
-            for nodes in PROJECTION["nodes"]:
-                cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
-                # The baseline a user has today: the faster fp32 schedule (a flat ring's 2(M-1) rounds
-                # cost more than its bytes on hundreds of nodes).
-                base = min(predict(m, cluster, workload)["step_s"] for m in ("allreduce", "allreduce_node"))
-                for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"):
-                    step = predict(method, cluster, workload)["step_s"]
-                    rows.append(
-                        {
-                            "model": name,
-                            "link_gbit": gbit,
-                            "nodes": nodes,
-                            "method": method,
-                            "step_s": step,
-                            "speedup": base / step,
-                            "baseline_step_s": base,
-                        }
-                    )
-    print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
-    for method, label in (
-        ("signsgd_mv_node", "signSGD-MV / Signum-MV"),
-        ("signmuon_node", "SignMuon"),
-        ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only"),
-    ):
-        print(
-            f"{'model':>9} {'link':>9} "
-            + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
-            + f"   (nodes; {label}, node-aware, step speed-up over the faster fp32 all-reduce, ring or two-level)"
-        )
-        for name in PROJECTION["models"]:
-            for gbit in PROJECTION["links_gbit"]:
-                cells = [
-                    r["speedup"]
-                    for r in rows
-                    if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method
-                ]
-                print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
-    if plot:
-        _plot(rows, plot)
-    return rows
-
-
-def _plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(
-        1, len(PROJECTION["links_gbit"]), figsize=(5 * len(PROJECTION["links_gbit"]), 4), sharey=True
-    )
-    for ax, gbit in zip(axes, PROJECTION["links_gbit"]):
-        for color, name in enumerate(PROJECTION["models"]):
-            for method, style, label in (("signsgd_mv_node", "-", "Signum-MV"), ("signmuon_node", "--", "SignMuon")):
-                cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
-                ax.plot(
-                    [r["nodes"] for r in cells],
-                    [r["speedup"] for r in cells],
-                    style,
-                    marker="o",
-                    color=f"C{color}",
-                    label=f"{name}, {label}",
-                )
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{gbit} Gbit/s per GPU between nodes")
-        ax.set_xlabel("nodes of 8 GPUs")
-    axes[0].set_ylabel("step speed-up over the faster fp32 all-reduce")
-    axes[0].legend(fontsize="small", ncol=2)
-    fig.suptitle(
-        "Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model (assumptions in the README)"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def wire_seconds(nbytes: float, rate: str, idle_s: float = math.inf) -> float:
-    """Seconds ``nbytes`` take through one of ``netem``'s shaped links: its token bucket (10 ms
-    of traffic, at least 32 KiB) refills at the link's rate while the link is idle, ``idle_s``
-    a step (about the step's compute), and lets what it holds through at once."""
-    bps = parse_rate(rate)
-    burst = min(max(bps / 8 / 100, 32 * 1024), bps / 8 * idle_s)
-    return 8 * max(0.0, nbytes - burst) / bps
-
-
 VALIDATION_LAYOUTS = (
     (4, 1, ("allreduce", "fp16_allreduce", "signsgd_mv", "signum_mv", "signmuon")),
     (4, 2, ("allreduce", "signsgd_mv_node", "signum_mv_node", "signmuon_node")),
@@ -269,36 +126,6 @@ def validate(
             f"{within} of {len(mine)} points on {world_size} ranks within 20%"
             + (f" (medians of {repeats} passes)" if repeats > 1 else "")
         )
-    return rows
-
-
-def median_rows(passes: list[list[dict]]) -> list[dict]:
-    """One row per point: the medians over ``passes`` of its predicted and measured step times
-    (and of the model's inputs, bytes crossing and base step), their ratio, and each pass's own
-    ratio (``pass_ratios``)."""
-    rows = []
-    for i, first in enumerate(passes[0]):
-        points = [p[i] for p in passes]
-        if any(
-            (q["layout"], q["method"], q["rate"]) != (first["layout"], first["method"], first["rate"]) for q in points
-        ):
-            raise ValueError("the validation passes list their points in different orders")
-        predicted = statistics.median(q["predicted_s"] for q in points)
-        measured = statistics.median(q["measured_s"] for q in points)
-        row = {
-            "layout": first["layout"],
-            "world_size": first["world_size"],
-            "method": first["method"],
-            "rate": first["rate"],
-            "predicted_s": predicted,
-            "measured_s": measured,
-            "ratio": predicted / measured,
-            "pass_ratios": [q["predicted_s"] / q["measured_s"] for q in points],
-        }
-        for inputs in ("bytes_crossing", "base_s"):  # the model's inputs, where the passes give them
-            if all(inputs in q for q in points):
-                row[inputs] = statistics.median(q[inputs] for q in points)
-        rows.append(row)
     return rows
 
 
@@ -403,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=Workload.bucket_bytes / 2**20,
         help="DDP's bucket_cap_mb (the number of buckets)",
     )
-    parser.add_argument("--methods", nargs="+", default=list(PLAN_METHODS), choices=PLAN_METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(names_for("plan")), choices=names_for("plan"))
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
     parser.add_argument("--validate", action="store_true", help="predicted vs measured under netem (root)")
@@ -458,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.measure_kernels:
             import torch
 
-            from signmuon.benchmarks.workloads.kernels import measure
+            from signmuon.benchmarks.cost.kernels import measure
 
             t = measure(1 << 22, 2, torch.device("cpu"))
             kernel = 4 * (1 << 22) / (t["pack"] + t["vote"] + t["unpack"])

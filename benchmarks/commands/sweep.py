@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import statistics
 
+from signmuon.benchmarks.methods.registry import add_methods_option, parse_methods
 from signmuon.benchmarks.methods.training import TrainConfig
 from signmuon.benchmarks.runs.training import run
-from signmuon.benchmarks.runtime.cli import command_parser, parse_methods, positive_int, write_report
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int, write_report
 from signmuon.benchmarks.workloads.tasks import TASKS
 
 NAME = "sweep"
@@ -66,7 +67,8 @@ def print_summary(summary: dict[str, dict], task: str, world_size: int, steps: i
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = command_parser("sweep", __doc__, methods="train", default_methods=["adamw", "signum_mv", "signmuon"])
+    parser = command_parser("sweep", __doc__)
+    add_methods_option(parser, "train", ["adamw", "signum_mv", "signmuon"])
     parser.add_argument("--task", default="digits", choices=sorted(TASKS), help="(default: %(default)s)")
     parser.add_argument(
         "--lr-scales", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0], help="(default: %(default)s)"

@@ -1,6 +1,6 @@
 """Data-parallel training benchmark: accuracy, bytes sent per rank and step time per method.
 
-Tasks (see ``tasks.py``): ``digits`` (scikit-learn's digits, a small CNN), ``charlm`` (a
+Tasks (see ``workloads/tasks.py``): ``digits`` (scikit-learn's digits, a small CNN), ``charlm`` (a
 small GPT on the standard library's source), ``cifar10`` (ResNet-18, from ``--data-dir``).
 Each step every rank draws its own slice of the global batch.
 
@@ -18,7 +18,8 @@ import os
 import statistics
 import sys
 
-from signmuon.benchmarks.methods.training import FSDP_METHODS, STRATEGIES, TrainConfig
+from signmuon.benchmarks.methods.registry import add_methods_option, names_for, parse_methods
+from signmuon.benchmarks.methods.training import STRATEGIES, TrainConfig
 from signmuon.benchmarks.methods.tuned import SWEEPS
 from signmuon.benchmarks.reports.curves import seed_summary
 from signmuon.benchmarks.reports.train_report import (
@@ -30,20 +31,21 @@ from signmuon.benchmarks.reports.train_report import (
     write_curves,
 )
 from signmuon.benchmarks.runs.training import run
-from signmuon.benchmarks.runtime.cli import check_device, command_parser, network_label, parse_methods, positive_int
+from signmuon.benchmarks.runtime.cli import add_vote_zeros, check_device, command_parser, network_label, positive_int
 from signmuon.benchmarks.runtime.launch import (
     torchrun_group,
     under_torchrun,
 )
 from signmuon.benchmarks.workloads.tasks import CHARLM_SIZES, TASKS
-from signmuon.comm_hooks.vote import ZERO_RULES
 
 NAME = "train"
 SUMMARY = "the training benchmark (accuracy or perplexity, bytes per rank, step time)"
+SHARDED = names_for("train:fsdp")  # the methods --strategy fsdp trains
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = command_parser("train", __doc__, methods="train")
+    parser = command_parser("train", __doc__)
+    add_methods_option(parser, "train")
     parser.add_argument("--world-size", type=positive_int, default=4, help="local gloo ranks (ignored under torchrun)")
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
@@ -74,19 +76,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=None,
         help="L for the *_node methods and --strategy fsdp (default: torchrun's LOCAL_WORLD_SIZE)",
     )
-    parser.add_argument(
-        "--vote-zeros",
-        default="abstain",
-        choices=ZERO_RULES,
-        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)",
-    )
+    add_vote_zeros(parser)
     parser.add_argument(
         "--strategy",
         default="ddp",
         choices=STRATEGIES,
         help="ddp (replicas) or fsdp (FSDP2 per block: adamw over every rank; "
-        f"{', '.join(m for m in FSDP_METHODS if m != 'adamw' and not m.startswith('diloco'))} over each node, "
-        f"voting between nodes; {', '.join(m for m in FSDP_METHODS if m.startswith('diloco'))} over each node, "
+        f"{', '.join(m for m in SHARDED if m != 'adamw' and not m.startswith('diloco'))} over each node, "
+        f"voting between nodes; {', '.join(m for m in SHARDED if m.startswith('diloco'))} over each node, "
         "rounds between nodes)",
     )
     parser.add_argument(
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--untuned",
         dest="tuned_lr",
         action="store_false",
-        help="each method's default learning rate instead of the sweep's tuned one (benchmarks/tuned.py)",
+        help="each method's default learning rate instead of the sweep's tuned one (benchmarks/methods/tuned.py)",
     )
     parser.add_argument("--valley", action="store_true", help="measure each final model's Inverse Mean Valley")
     parser.add_argument("--json", help="write the results to this file")
@@ -155,10 +152,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--target-loss {args.target_loss} must be a finite loss")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed once")
-    if args.strategy == "fsdp" and set(args.methods) - set(FSDP_METHODS):
-        parser.error(
-            f"--strategy fsdp trains {sorted(FSDP_METHODS)}; not {sorted(set(args.methods) - set(FSDP_METHODS))}"
-        )
+    if args.strategy == "fsdp" and set(args.methods) - set(SHARDED):
+        parser.error(f"--strategy fsdp trains {sorted(SHARDED)}; not {sorted(set(args.methods) - set(SHARDED))}")
     if args.strategy == "fsdp" and args.ranks_per_node is None and not under_torchrun():
         parser.error("--strategy fsdp shards over each node: pass --ranks-per-node L")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):

@@ -1,4 +1,4 @@
-"""The vote's kernels as a workload: the seconds of each stage against a memcpy."""
+"""The vote's kernels timed: the seconds of each stage against a memcpy (the cost model's kernel throughput)."""
 
 from __future__ import annotations
 

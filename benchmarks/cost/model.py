@@ -41,20 +41,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Cluster", "Workload", "PLAN_METHODS", "crossover", "predict", "parse_rate"]
+from signmuon.benchmarks.methods.registry import builder, names_for
 
-PLAN_METHODS = (
-    "allreduce",
-    "bf16_allreduce",
-    "allreduce_node",
-    "signsgd_mv",
-    "signsgd_mv_node",
-    "signmuon",
-    "signmuon_node",
-    "powersgd_r4",
-    "diloco_node",
-    "diloco_vote_node",
-)
+__all__ = ["Cluster", "Workload", "crossover", "predict", "parse_rate"]
 
 
 def parse_rate(text: str) -> float:
@@ -153,66 +142,14 @@ class Workload:
         return (1 - 1 / self.buckets) * min(self.backward_share * self.compute_s, comm_s)
 
 
-def _ring(nbytes: float, ranks: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
-    return 2 * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
-
-
-def _ns_flops(matrices) -> float:
-    total = 0.0
-    for rows, cols in matrices:
-        m, k = min(rows, cols), max(rows, cols)
-        total += 5 * (4 * m * m * k + 2 * m**3)
-    return total
-
-
-def _powersgd_entries(workload: Workload, rank: int) -> float:
-    compressed = sum(r * c for r, c in workload.matrices)
-    return sum((r + c) * rank for r, c in workload.matrices) + (workload.params - compressed)
-
-
 def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, float]:
-    """Bytes leaving a node, bytes inside a node per rank, communication and step seconds."""
-    N, L, M, n = cluster.nodes, cluster.ranks_per_node, cluster.world_size, workload.params
-    bits = 1.0 + workload.zero_bits
-    between = inside = rounds = rounds_in = extra_s = 0.0
-    # (between, inside, rounds, rounds_in) that backward never hides: a round after the step, or a
-    # collective the compute waits for (a blocking one in the hook)
-    blocking = (0.0, 0.0, 0.0, 0.0)
-    if method in ("allreduce", "bf16_allreduce", "powersgd_r4"):
-        entries = _powersgd_entries(workload, 4) if method == "powersgd_r4" else n
-        if method == "powersgd_r4":  # P = G Q and Q = Gᵀ P per matrix, and the error feedback
-            extra_s = sum(4 * r * c * 4 + 2 * r * c for r, c in workload.matrices) / workload.ns_flops_per_s
-        nbytes = entries * (2 if method == "bf16_allreduce" else 4)
-        if N > 1:
-            between, rounds = _ring(nbytes, M), 2 * (M - 1)
-        else:
-            inside, rounds_in = _ring(nbytes, L), 2 * (L - 1)
-    elif method == "allreduce_node":
-        between, rounds = _ring(4 * n, N), 2 * (N - 1)
-        inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)
-    elif method in ("signsgd_mv", "signmuon"):
-        per_rank = 2 * (M - 1) / M * n * bits / 8 if M > 1 else 0.0
-        share = (M - L) / (M - 1) if M > 1 else 0.0  # of each rank's sends, the part to other nodes
-        between, inside = L * per_rank * share, per_rank * (1 - share)
-        rounds, rounds_in = (2 * (M - 1), 0) if N > 1 else (0, 2 * (L - 1))
-        extra_s = 4 * n / workload.kernel_bytes_per_s
-        if method == "signmuon":
-            extra_s += _ns_flops(workload.matrices) / workload.ns_flops_per_s
-    elif method in ("signsgd_mv_node", "signmuon_node"):
-        between, rounds = (2 * (N - 1) / N * n * bits / 8 if N > 1 else 0.0), 2 * (N - 1)
-        inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)
-        blocking = (0.0, (L - 1) / L * n, 0.0, L - 1)  # the voted slices' gather: the compute waits for it
-        extra_s = 4 * n / L / workload.kernel_bytes_per_s
-        if method == "signmuon_node":
-            extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
-    elif method in ("diloco_node", "diloco_vote_node"):  # the node's all-reduce every step, a round every H
-        H = workload.period
-        per_round = n * workload.round_bits / 8 if method == "diloco_vote_node" else 4 * n  # the node's rails, in all
-        inside, rounds_in = _ring(4 * n, L), 2 * (L - 1)  # the node's gradient all-reduce, every step
-        blocking = (2 * (N - 1) / N * per_round / H, (L - 1) / L * 4 * n / H, 2 * (N - 1) / H, (L - 1) / H)
-    else:
-        raise ValueError(f"plan has no model of {method!r}; it models {PLAN_METHODS}")
+    """Bytes leaving a node, bytes inside a node per rank, communication and step seconds of
+    ``method`` (its traffic is the registry's ``plan`` builder: ``names_for("plan")``)."""
+    try:
+        traffic = builder(method, "plan")(cluster, workload)
+    except ValueError:
+        raise ValueError(f"plan has no model of {method!r}; it models {names_for('plan')}") from None
+    between, inside, rounds, rounds_in, blocking, extra_s = traffic
     bucketed_s = _link_seconds(cluster, between, inside, rounds, rounds_in)
     blocking_s = _link_seconds(cluster, *blocking)
     hidden = workload.hidden_seconds(bucketed_s)

@@ -1,94 +1,253 @@
-"""Every method the benchmarks know, one name each, and which commands run it.
+"""Every method the benchmarks know, defined once: its name, summary, and what each command
+that offers it builds.
 
 A name means the same communication (and, for ``train``, the same optimizer) wherever it
 appears: ``signsgd_mv`` is the majority vote of the gradients' signs in ``bandwidth`` (the
-collective alone), ``ddp-step`` (the DDP hook) and ``train`` (hook + SGD). Each command keeps
-its implementations keyed by these names; a test checks the two agree. ``--help`` of each
-command lists its methods from here; a name from before the registry gets a one-line error
-naming its successor.
+collective alone), ``ddp-step`` (the DDP hook), ``train`` (hook + SGD) and ``plan`` (its bytes
+and time by the cost model). A command runs the methods that have a builder for it
+(:func:`names_for`), each through :func:`builder`; ``--help`` lists them from here, and a name
+from before the registry gets a one-line error naming its successor. Builders by command:
+
+* ``bandwidth``: ``(grad, world_size) -> (call, bytes)`` (:mod:`.collective`);
+* ``ddp-step``: ``(args, device) -> StepSetup`` (:mod:`.ddp`);
+* ``deepspeed-step``: ``(args) -> (step, stats, params)`` (:mod:`.deepspeed`);
+* ``train`` and ``train:fsdp`` (``--strategy fsdp``): ``(net, config) -> Setup``
+  (:mod:`.training`, :mod:`.local_steps`);
+* ``plan``: ``(cluster, workload) -> Traffic`` (:mod:`.traffic`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable, Mapping
 
-__all__ = ["METHODS", "RENAMED", "check_methods", "describe", "names_for"]
+import torch
+
+from signmuon.benchmarks.methods import collective, ddp, deepspeed, local_steps, traffic, training
+from signmuon.optim import SignMuon, SignSGDMV, SignumMV
+
+__all__ = [
+    "METHODS",
+    "RENAMED",
+    "Method",
+    "add_methods_option",
+    "builder",
+    "check_methods",
+    "describe",
+    "names_for",
+    "parse_methods",
+]
+
+_BW, _DDP, _DS, _TRAIN, _FSDP, _PLAN = "bandwidth", "ddp-step", "deepspeed-step", "train", "train:fsdp", "plan"
 
 
 @dataclasses.dataclass(frozen=True)
-class MethodInfo:
-    """One method: what it does and the commands that run it."""
+class Method:
+    """One method: what it does, and what each command that runs it builds."""
 
     summary: str
     """One line for ``--help``."""
-    commands: tuple[str, ...]
-    """The signmuon-bench commands that implement it."""
+    builders: Mapping[str, Callable]
+    """Command -> its builder of this method (see the module's docstring)."""
+    tuned_as: str | None = None
+    """A swept method whose optimizer and default learning rate this one shares: ``train``
+    takes that method's tuned factor (marked '~')."""
+
+    @property
+    def commands(self) -> tuple[str, ...]:
+        return tuple(self.builders)
 
 
-_COLLECTIVE, _DDP, _TRAIN, _DS = "bandwidth", "ddp-step", "train", "deepspeed-step"
+def _adamw(p, s):
+    return torch.optim.AdamW(p, lr=2e-3 * s)
 
-METHODS: dict[str, MethodInfo] = {
+
+def _rounds(summary: str, period: int, *, fsdp: bool = False, inner: str = "adamw", **options) -> Method:
+    """A rounds method of ``train`` (:func:`.local_steps.rounds`), its FSDP2 form where ``fsdp``;
+    its learning rate is the swept one of its inner optimizer (``inner``)."""
+    builders = {_TRAIN: local_steps.rounds(period, inner=getattr(local_steps, inner), **options)}
+    if fsdp:
+        builders[_FSDP] = local_steps.sharded_rounds(period, options.get("pseudo_gradient", "mean"))
+    return Method(summary, builders, tuned_as=inner)
+
+
+METHODS: dict[str, Method] = {
     # full-precision and low-precision all-reduce
-    "allreduce": MethodInfo("fp32 mean all-reduce (DDP's default; SGD in ddp-step)", (_COLLECTIVE, _DDP, _DS)),
-    "bf16_allreduce": MethodInfo("bf16 all-reduce", (_COLLECTIVE,)),
-    "fp16_allreduce": MethodInfo("torch's fp16 compression hook", (_DDP,)),
-    "int8_sum_allreduce": MethodInfo("int8 signs summed by an all-reduce (the SignMuon paper's vote)", (_COLLECTIVE,)),
-    "powersgd_r1": MethodInfo("PowerSGD, rank 1", (_COLLECTIVE, _DDP)),
-    "powersgd_r4": MethodInfo("PowerSGD, rank 4", (_COLLECTIVE,)),
-    "ef_1bit": MethodInfo("error-feedback scaled signs (1-bit Adam's compressed_allreduce)", (_COLLECTIVE,)),
-    # the vote
-    "signsgd_mv": MethodInfo(
-        "majority vote of the gradients' signs, fast ties (one bit per entry)", (_COLLECTIVE, _DDP, _TRAIN, _DS)
+    "allreduce": Method(
+        "fp32 mean all-reduce (DDP's default; SGD in ddp-step)",
+        {_BW: collective.allreduce, _DDP: ddp.allreduce, _DS: deepspeed.engine(None), _PLAN: traffic.allreduce()},
     ),
-    "signsgd_mv_exact": MethodInfo("the same vote with tie='exact' (ties vote 0)", (_COLLECTIVE,)),
-    "signsgd_mv_allgather": MethodInfo("the vote by one all-gather of every rank's packed signs", (_COLLECTIVE,)),
-    "signsgd_mv_node": MethodInfo("node-aware vote: fp32 inside a node, one bit between nodes", (_COLLECTIVE, _DDP)),
-    "signsgd_mv_in_step": MethodInfo("SignSGDMV voting in step() (vote_in_step)", (_DS,)),
-    "ddp_signsgd_mv": MethodInfo("SignSGDMV's hook under DDP (deepspeed-step's reference)", (_DS,)),
-    "signum_mv": MethodInfo("Signum-MV: the vote of each worker's momentum signs", (_DDP, _TRAIN)),
-    "signum_mv_node": MethodInfo("Signum-MV, node-aware", (_DDP, _TRAIN)),
-    "signum_mv_optim": MethodInfo("Signum-MV as the SignumMV optimizer with its own hook", (_TRAIN,)),
-    "signmuon": MethodInfo("SignMuon: Newton-Schulz on each worker's momentum, signs voted", (_DDP, _TRAIN, _DS)),
-    "signmuon_node": MethodInfo("SignMuon, node-aware (Newton-Schulz split in the node)", (_DDP, _TRAIN)),
-    "signmuon_polar": MethodInfo("SignMuon with the polar step after the vote", (_TRAIN,)),
-    "signmuon_fan_in": MethodInfo("SignMuon with lr_scaling='fan_in'", (_TRAIN,)),
-    "signmuon_muon_lr": MethodInfo("SignMuon with lr_scaling='muon'", (_TRAIN,)),
-    # sharded models (FSDP2); train takes --strategy fsdp instead
-    "fsdp_reduce_scatter": MethodInfo("FSDP2 over every rank, fp32 reduce-scatter, SGD with momentum", (_DDP,)),
-    "fsdp_signum_mv": MethodInfo("FSDP2 inside each node, Signum-MV voted between nodes", (_DDP,)),
-    "fsdp_signmuon": MethodInfo("FSDP2 inside each node, SignMuon voted between nodes", (_DDP,)),
+    "bf16_allreduce": Method("bf16 all-reduce", {_BW: collective.bf16_allreduce, _PLAN: traffic.allreduce(2)}),
+    "allreduce_node": Method(
+        "fp32 all-reduce in two levels: inside each node, then between nodes", {_PLAN: traffic.node_allreduce}
+    ),
+    "fp16_allreduce": Method("torch's fp16 compression hook", {_DDP: ddp.fp16_allreduce}),
+    "int8_sum_allreduce": Method(
+        "int8 signs summed by an all-reduce (the SignMuon paper's vote)", {_BW: collective.int8_sum_allreduce}
+    ),
+    "powersgd_r1": Method("PowerSGD, rank 1", {_BW: collective.powersgd(1), _DDP: ddp.powersgd(1)}),
+    "powersgd_r4": Method("PowerSGD, rank 4", {_BW: collective.powersgd(4), _PLAN: traffic.allreduce(4, 4)}),
+    "ef_1bit": Method("error-feedback scaled signs (1-bit Adam's compressed_allreduce)", {_BW: collective.ef_1bit}),
+    # the vote
+    "signsgd_mv": Method(
+        "majority vote of the gradients' signs, fast ties (one bit per entry)",
+        {
+            _BW: collective.vote(),
+            _DDP: ddp.sign_vote(0.0),
+            _TRAIN: training.sign_vote(momentum=0.0, lr=1e-3),
+            _FSDP: training.sharded(optimizer=SignSGDMV, lr=1e-3),
+            _DS: deepspeed.engine("SignSGDMV"),
+            _PLAN: traffic.vote(),
+        },
+    ),
+    "signsgd_mv_exact": Method("the same vote with tie='exact' (ties vote 0)", {_BW: collective.vote("exact")}),
+    "signsgd_mv_allgather": Method(
+        "the vote by one all-gather of every rank's packed signs", {_BW: collective.vote("exact", "all_gather")}
+    ),
+    "signsgd_mv_node": Method(
+        "node-aware vote: fp32 inside a node, one bit between nodes",
+        {_BW: collective.node_vote, _DDP: ddp.sign_vote(0.0, node_aware=True), _PLAN: traffic.node_vote()},
+    ),
+    "signsgd_mv_in_step": Method(
+        "SignSGDMV voting in step() (vote_in_step)", {_DS: deepspeed.engine("SignSGDMV", overlap_backward=False)}
+    ),
+    "ddp_signsgd_mv": Method("SignSGDMV's hook under DDP (deepspeed-step's reference)", {_DS: deepspeed.ddp_hook}),
+    "signum_mv": Method(
+        "Signum-MV: the vote of each worker's momentum signs",
+        {
+            _DDP: ddp.sign_vote(0.9),
+            _TRAIN: training.sign_vote(momentum=0.9, lr=1e-3),
+            _FSDP: training.sharded(optimizer=SignumMV, lr=1e-3, momentum=0.9),
+        },
+    ),
+    "signum_mv_node": Method(
+        "Signum-MV, node-aware",
+        {_DDP: ddp.sign_vote(0.9, node_aware=True), _TRAIN: training.sign_vote(momentum=0.9, lr=1e-3, node_aware=True)},
+    ),
+    "signum_mv_optim": Method(
+        "Signum-MV as the SignumMV optimizer with its own hook",
+        {_TRAIN: training.sign_optimizer(optimizer=SignumMV, lr=1e-3, momentum=0.9)},
+    ),
+    "signmuon": Method(
+        "SignMuon: Newton-Schulz on each worker's momentum, signs voted",
+        {
+            _DDP: ddp.sign_muon(),
+            _TRAIN: training.sign_optimizer(lr=2e-3),
+            _FSDP: training.sharded(optimizer=SignMuon, lr=2e-3),
+            _DS: deepspeed.engine("SignMuon"),
+            _PLAN: traffic.vote(newton_schulz=True),
+        },
+    ),
+    "signmuon_node": Method(
+        "SignMuon, node-aware (Newton-Schulz split in the node)",
+        {
+            _DDP: ddp.sign_muon(node_aware=True),
+            _TRAIN: training.sign_optimizer(node_aware=True, lr=2e-3),
+            _PLAN: traffic.node_vote(newton_schulz=True),
+        },
+        tuned_as="signmuon",
+    ),
+    "signmuon_polar": Method(
+        "SignMuon with the polar step after the vote", {_TRAIN: training.sign_optimizer(lr=2e-3, polar_after_vote=True)}
+    ),
+    # Per-layer step sizes: the SignMuon paper's lr/sqrt(fan_in), and Muon's own lr kept.
+    "signmuon_fan_in": Method(
+        "SignMuon with lr_scaling='fan_in'", {_TRAIN: training.sign_optimizer(lr=0.016, lr_scaling="fan_in")}
+    ),
+    "signmuon_muon_lr": Method(
+        "SignMuon with lr_scaling='muon'", {_TRAIN: training.sign_optimizer(lr=0.02, lr_scaling="muon")}
+    ),
+    # sharded models (FSDP2) in ddp-step; train takes --strategy fsdp instead
+    "fsdp_reduce_scatter": Method(
+        "FSDP2 over every rank, fp32 reduce-scatter, SGD with momentum", {_DDP: ddp.fsdp(None)}
+    ),
+    "fsdp_signum_mv": Method("FSDP2 inside each node, Signum-MV voted between nodes", {_DDP: ddp.fsdp(SignumMV)}),
+    "fsdp_signmuon": Method("FSDP2 inside each node, SignMuon voted between nodes", {_DDP: ddp.fsdp(SignMuon)}),
     # optimizers on the fp32 all-reduce, and their compressed variants
-    "adamw": MethodInfo("DDP + AdamW", (_TRAIN,)),
-    "sgd": MethodInfo("DDP + SGD with momentum", (_TRAIN,)),
-    "muon_adamw": MethodInfo("DDP + torch's Muon (matrices) and AdamW (the rest)", (_TRAIN,)),
-    "powersgd_adamw": MethodInfo("PowerSGD (rank 4) + AdamW", (_TRAIN,)),
-    "fp16_adamw": MethodInfo("torch's fp16 compression hook + AdamW", (_TRAIN,)),
-    "bf16_adamw": MethodInfo("torch's bf16 compression hook + AdamW", (_TRAIN,)),
+    "adamw": Method("DDP + AdamW", {_TRAIN: training.allreduce(_adamw), _FSDP: training.sharded(_adamw)}),
+    "sgd": Method(
+        "DDP + SGD with momentum",
+        {_TRAIN: training.allreduce(lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9))},
+    ),
+    "muon_adamw": Method(
+        "DDP + torch's Muon (matrices) and AdamW (the rest)",
+        {_TRAIN: training.allreduce(local_steps.muon_adamw, routed=True)},
+    ),
+    "powersgd_adamw": Method("PowerSGD (rank 4) + AdamW", {_TRAIN: training.powersgd(4, _adamw)}),
+    "fp16_adamw": Method(
+        "torch's fp16 compression hook + AdamW", {_TRAIN: training.half_allreduce(torch.float16, _adamw)}
+    ),
+    "bf16_adamw": Method(
+        "torch's bf16 compression hook + AdamW", {_TRAIN: training.half_allreduce(torch.bfloat16, _adamw)}
+    ),
     # local steps
-    "local_sgd_8": MethodInfo("local SGD, averaging every 8 steps", (_TRAIN,)),
-    "local_sgd_32": MethodInfo("local SGD, averaging every 32 steps", (_TRAIN,)),
-    "dppf_8": MethodInfo("DPPF every 8 steps (pull 0.5, push 0.05)", (_TRAIN,)),
-    "dppf_32": MethodInfo("DPPF every 32 steps (pull 0.5, push 0.05)", (_TRAIN,)),
-    "dppf_8_wide": MethodInfo("DPPF every 8 steps (pull 0.5, push 0.2)", (_TRAIN,)),
-    "dppf_32_wide": MethodInfo("DPPF every 32 steps (pull 0.5, push 0.2)", (_TRAIN,)),
+    "local_sgd_8": Method("local SGD, averaging every 8 steps", {_TRAIN: local_steps.periodic(8)}),
+    "local_sgd_32": Method("local SGD, averaging every 32 steps", {_TRAIN: local_steps.periodic(32)}),
+    "dppf_8": Method(
+        "DPPF every 8 steps (pull 0.5, push 0.05)", {_TRAIN: local_steps.periodic(8, pull=0.5, push=0.05)}
+    ),
+    "dppf_32": Method(
+        "DPPF every 32 steps (pull 0.5, push 0.05)", {_TRAIN: local_steps.periodic(32, pull=0.5, push=0.05)}
+    ),
+    "dppf_8_wide": Method(
+        "DPPF every 8 steps (pull 0.5, push 0.2)", {_TRAIN: local_steps.periodic(8, pull=0.5, push=0.2)}
+    ),
+    "dppf_32_wide": Method(
+        "DPPF every 32 steps (pull 0.5, push 0.2)", {_TRAIN: local_steps.periodic(32, pull=0.5, push=0.2)}
+    ),
     # rounds with AdamW inside (node-aware where the run is laid out in nodes)
-    "local_adamw_8": MethodInfo("AdamW locally, plain averaging every 8 steps", (_TRAIN,)),
-    "local_adamw_32": MethodInfo("AdamW locally, plain averaging every 32 steps", (_TRAIN,)),
-    "diloco_8": MethodInfo("DiLoCo: AdamW inside, outer Nesterov step every 8 steps (fp32 rounds)", (_TRAIN,)),
-    "diloco_32": MethodInfo("DiLoCo, outer step every 32 steps (fp32 rounds)", (_TRAIN,)),
-    "diloco_vote_8": MethodInfo("DiLoCo every 8 steps, pseudo-gradient as a sign vote (one bit)", (_TRAIN,)),
-    "diloco_vote_32": MethodInfo("DiLoCo every 32 steps, pseudo-gradient as a sign vote (one bit)", (_TRAIN,)),
-    "diloco_vote_ef_8": MethodInfo("DiLoCo every 8 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
-    "diloco_vote_ef_32": MethodInfo("DiLoCo every 32 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
-    "diloco_ef_8": MethodInfo("DiLoCo every 8 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
-    "muloco_8": MethodInfo("MuLoCo: torch's Muon (and AdamW) inside, DiLoCo's outer step every 8 steps", (_TRAIN,)),
-    "muloco_32": MethodInfo("MuLoCo, DiLoCo's outer step every 32 steps", (_TRAIN,)),
-    "muloco_vote_ef_8": MethodInfo("MuLoCo every 8 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
-    "muloco_vote_ef_32": MethodInfo("MuLoCo every 32 steps, sign vote with error feedback (one bit)", (_TRAIN,)),
-    "diloco_ef_32": MethodInfo("DiLoCo every 32 steps, error-feedback scaled signs (one bit)", (_TRAIN,)),
-    "dppf_outer_8": MethodInfo("DPPF around DiLoCo's consensus every 8 steps (pull 0.5, push 0.05)", (_TRAIN,)),
-    "dppf_outer_32": MethodInfo("DPPF around DiLoCo's consensus every 32 steps (pull 0.5, push 0.05)", (_TRAIN,)),
+    "local_adamw_8": _rounds("AdamW locally, plain averaging every 8 steps", 8, pseudo_gradient=None),
+    "local_adamw_32": _rounds("AdamW locally, plain averaging every 32 steps", 32, pseudo_gradient=None),
+    "diloco_8": _rounds("DiLoCo: AdamW inside, outer Nesterov step every 8 steps (fp32 rounds)", 8, fsdp=True),
+    "diloco_32": _rounds("DiLoCo, outer step every 32 steps (fp32 rounds)", 32, fsdp=True),
+    "diloco_vote_8": _rounds(
+        "DiLoCo every 8 steps, pseudo-gradient as a sign vote (one bit)", 8, pseudo_gradient="sign_vote"
+    ),
+    "diloco_vote_32": _rounds(
+        "DiLoCo every 32 steps, pseudo-gradient as a sign vote (one bit)", 32, pseudo_gradient="sign_vote"
+    ),
+    "diloco_vote_ef_8": _rounds(
+        "DiLoCo every 8 steps, sign vote with error feedback (one bit)", 8, pseudo_gradient="sign_vote_ef", fsdp=True
+    ),
+    "diloco_vote_ef_32": _rounds(
+        "DiLoCo every 32 steps, sign vote with error feedback (one bit)", 32, pseudo_gradient="sign_vote_ef"
+    ),
+    "diloco_ef_8": _rounds(
+        "DiLoCo every 8 steps, error-feedback scaled signs (one bit)", 8, pseudo_gradient="scaled_sign"
+    ),
+    "muloco_8": _rounds(
+        "MuLoCo: torch's Muon (and AdamW) inside, DiLoCo's outer step every 8 steps", 8, inner="muon_adamw"
+    ),
+    "muloco_32": _rounds("MuLoCo, DiLoCo's outer step every 32 steps", 32, inner="muon_adamw"),
+    "muloco_vote_ef_8": _rounds(
+        "MuLoCo every 8 steps, sign vote with error feedback (one bit)",
+        8,
+        pseudo_gradient="sign_vote_ef",
+        inner="muon_adamw",
+    ),
+    "muloco_vote_ef_32": _rounds(
+        "MuLoCo every 32 steps, sign vote with error feedback (one bit)",
+        32,
+        pseudo_gradient="sign_vote_ef",
+        inner="muon_adamw",
+    ),
+    "diloco_ef_32": _rounds(
+        "DiLoCo every 32 steps, error-feedback scaled signs (one bit)", 32, pseudo_gradient="scaled_sign"
+    ),
+    "dppf_outer_8": _rounds(
+        "DPPF around DiLoCo's consensus every 8 steps (pull 0.5, push 0.05)", 8, pull=0.5, push=0.05
+    ),
+    "dppf_outer_32": _rounds(
+        "DPPF around DiLoCo's consensus every 32 steps (pull 0.5, push 0.05)", 32, pull=0.5, push=0.05
+    ),
+    # the cost model's node-aware rounds (train runs them node-aware when laid out in nodes)
+    "diloco_node": Method(
+        "node-aware DiLoCo: the node's all-reduce every step, fp32 rounds between nodes", {_PLAN: traffic.rounds()}
+    ),
+    "diloco_vote_node": Method(
+        "node-aware DiLoCo with one-bit rounds between nodes", {_PLAN: traffic.rounds(one_bit=True)}
+    ),
 }
 
 # Names the benchmarks used before the registry, and the one that replaced each.
@@ -107,7 +266,15 @@ RENAMED = {
 
 def names_for(command: str) -> tuple[str, ...]:
     """The methods ``command`` runs, in the registry's order."""
-    return tuple(name for name, info in METHODS.items() if command in info.commands)
+    return tuple(name for name, method in METHODS.items() if command in method.builders)
+
+
+def builder(name: str, command: str) -> Callable:
+    """What ``command`` builds ``name`` with (ValueError naming the methods it runs)."""
+    method = METHODS.get(name)
+    if method is None or command not in method.builders:
+        raise ValueError(f"{command} has no method {name!r}; it runs {', '.join(names_for(command))}")
+    return method.builders[command]
 
 
 def describe(command: str) -> str:
@@ -127,3 +294,24 @@ def check_methods(parser: argparse.ArgumentParser, command: str, methods: list[s
     unknown = [m for m in methods if m not in valid]
     if unknown:
         parser.error(f"--methods: unknown method(s) {unknown} for {command}; choose from {', '.join(valid)}")
+
+
+def add_methods_option(parser: argparse.ArgumentParser, command: str, default: list[str] | None = None) -> None:
+    """A ``--methods`` option taking ``command``'s methods (``--help`` lists them; default
+    ``default``, or all of them); :func:`parse_methods` checks them."""
+    parser.epilog = describe(command)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(names_for(command)) if default is None else default,
+        metavar="METHOD",
+        help="methods to run, listed below (default: %(default)s)",
+    )
+    parser.set_defaults(methods_of=command)
+
+
+def parse_methods(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, then a one-line error (exit 2) for a method the command does not run."""
+    args = parser.parse_args(argv)
+    check_methods(parser, args.methods_of, args.methods)
+    return args

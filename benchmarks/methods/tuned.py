@@ -9,7 +9,9 @@ and its table row says so.
 
 from __future__ import annotations
 
-__all__ = ["SAME_OPTIMIZER", "SWEEPS", "TUNED_LR_SCALES", "borrowed_lr_scale", "tuned_lr_scale"]
+from signmuon.benchmarks.methods.registry import METHODS
+
+__all__ = ["SWEEPS", "TUNED_LR_SCALES", "borrowed_lr_scale", "tuned_lr_scale"]
 
 # task -> method -> factor (charlm: the small GPT; other sizes are not swept)
 TUNED_LR_SCALES: dict[str, dict[str, float]] = {
@@ -40,20 +42,7 @@ def tuned_lr_scale(task: str, method: str) -> float | None:
     return TUNED_LR_SCALES.get(task, {}).get(method)
 
 
-# Methods not swept on their own that run a swept method's optimizer at the same default learning
-# rate: they take its factor (marked '~' in train's tables, not '*'). The rounds' inner optimizer
-# is AdamW's (torch's Muon with AdamW for MuLoCo); their outer step was chosen on seed 0 (benchmarks/results/2026-12-03-local-steps.md).
-SAME_OPTIMIZER: dict[str, str] = {
-    "signmuon_node": "signmuon",
-    **{
-        f"{name}_{period}": "adamw"
-        for name in ("local_adamw", "diloco", "diloco_vote", "diloco_vote_ef", "diloco_ef", "dppf_outer")
-        for period in (8, 32)
-    },
-    **{name: "muon_adamw" for name in ("muloco_8", "muloco_32", "muloco_vote_ef_8", "muloco_vote_ef_32")},
-}
-
-
 def borrowed_lr_scale(task: str, method: str) -> float | None:
-    """The factor swept for the optimizer ``method`` shares (:data:`SAME_OPTIMIZER`), or None."""
-    return tuned_lr_scale(task, SAME_OPTIMIZER[method]) if method in SAME_OPTIMIZER else None
+    """The factor swept for the optimizer ``method`` shares (the registry's ``tuned_as``), or None."""
+    shared = METHODS[method].tuned_as if method in METHODS else None
+    return tuned_lr_scale(task, shared) if shared else None

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.benchmarks.methods.training import FSDP_METHODS, METHODS, Setup, TrainConfig
+from signmuon.benchmarks.methods.registry import builder, names_for
+from signmuon.benchmarks.methods.training import Setup, TrainConfig
 from signmuon.benchmarks.methods.tuned import borrowed_lr_scale, tuned_lr_scale
 from signmuon.benchmarks.runtime.launch import (
     run_distributed,
@@ -74,8 +75,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     tuned = tuned_lr_scale(swept_task, method) if config.tuned_lr else None
     borrowed = borrowed_lr_scale(swept_task, method) if config.tuned_lr and tuned is None else None
     lr_scale = config.lr_scale * (tuned or borrowed or 1.0)
-    methods = FSDP_METHODS if config.strategy == "fsdp" else METHODS
-    setup = methods[method](task.make_model().to(device), dataclasses.replace(config, lr_scale=lr_scale))
+    build = builder(method, "train:fsdp" if config.strategy == "fsdp" else "train")
+    setup = build(task.make_model().to(device), dataclasses.replace(config, lr_scale=lr_scale))
     model, opt = setup.model, setup.optimizer
     per_rank = config.batch_size // world_size
     data_gen = torch.Generator().manual_seed(config.seed + 1)  # same on every rank: disjoint slices
@@ -202,8 +203,8 @@ def run(methods: list[str], world_size: int, config: TrainConfig, valley: bool =
     """
     results = []
     for method in methods:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+        if method not in names_for("train"):
+            raise ValueError(f"unknown method {method!r}; choose from {sorted(names_for('train'))}")
         if under_torchrun():
             results.append(run_torchrun(train_worker, method, config))
         else:

@@ -10,16 +10,16 @@ import sys
 
 import torch
 
-from signmuon.benchmarks.methods.registry import check_methods, describe, names_for
+from signmuon.comm_hooks.vote import ZERO_RULES
 
 __all__ = [
+    "add_vote_zeros",
     "command_parser",
     "network_label",
     "positive_int",
     "non_negative_float",
     "size",
     "check_device",
-    "parse_methods",
     "write_report",
 ]
 
@@ -90,40 +90,12 @@ class _CommandParser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
-def command_parser(
-    command: str, doc: str | None, *, methods: str | None = None, default_methods: list[str] | None = None
-) -> argparse.ArgumentParser:
+def command_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of ``signmuon-bench COMMAND``: that name in its usage line, the module's
     docstring as description without reStructuredText's double backticks, defaults shown.
-
-    ``methods`` names the registry command whose methods a ``--methods`` option takes
-    (``--help`` lists them; default ``default_methods``, or all of them); :func:`parse_methods`
-    checks them."""
+    A ``--methods`` option comes from ``methods.registry.add_methods_option``."""
     description = (doc or "").replace("``", "")
-    parser = _CommandParser(
-        prog=f"signmuon-bench {command}",
-        description=description,
-        formatter_class=_HelpFormatter,
-        epilog=describe(methods) if methods else None,
-    )
-    if methods:
-        default = list(names_for(methods)) if default_methods is None else default_methods
-        parser.add_argument(
-            "--methods",
-            nargs="+",
-            default=default,
-            metavar="METHOD",
-            help="methods to run, listed below (default: %(default)s)",
-        )
-        parser.set_defaults(methods_of=methods)
-    return parser
-
-
-def parse_methods(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, then a one-line error (exit 2) for a method the command does not run."""
-    args = parser.parse_args(argv)
-    check_methods(parser, args.methods_of, args.methods)
-    return args
+    return _CommandParser(prog=f"signmuon-bench {command}", description=description, formatter_class=_HelpFormatter)
 
 
 def network_label() -> str:
@@ -139,3 +111,13 @@ def write_report(command: str, argv: list[str] | None, fields: dict, path: str |
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+def add_vote_zeros(parser: argparse.ArgumentParser) -> None:
+    """The vote methods' ``--vote-zeros`` option (``VoteConfig.zeros``)."""
+    parser.add_argument(
+        "--vote-zeros",
+        default="abstain",
+        choices=ZERO_RULES,
+        help="the vote's zero rule (VoteConfig.zeros): abstain, or a keyed coin (one bit per entry)",
+    )

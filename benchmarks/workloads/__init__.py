@@ -1,1 +1,1 @@
-"""What the benchmarks run: tasks, models and the kernels as workloads."""
+"""What the benchmarks run: the tasks and the models."""

@@ -1,0 +1,137 @@
+"""The projection of ``plan --projection``: published GPU-cluster figures (GPT models of 125M to
+70B parameters, 2 to 512 nodes of 8 GPUs, 25 to 400 Gbit/s per GPU) through the cost model. It
+is a projection, not a measurement; its assumptions print with it."""
+
+from __future__ import annotations
+
+from signmuon.benchmarks.cost.model import Cluster, Workload, predict
+
+__all__ = ["ASSUMPTIONS", "GPT_SIZES", "PROJECTION", "model_shapes", "projection"]
+
+
+# GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
+GPT_SIZES = {
+    "gpt-125m": (12, 768, 50257),
+    "gpt-1.3b": (24, 2048, 50257),
+    "gpt-7b": (32, 4096, 50257),
+    "gpt-70b": (80, 8192, 50257),
+}
+PROJECTION = {
+    "models": ("gpt-125m", "gpt-1.3b", "gpt-7b", "gpt-70b"),
+    "nodes": (2, 8, 32, 128, 512),
+    "links_gbit": (25, 100, 400),
+    "ranks_per_node": 8,
+    "tokens_per_rank": 8192,
+    "tflops": 400.0,
+    "kernel_gbps": 1000.0,
+    "ns_tflops": 200.0,
+}
+ASSUMPTIONS = (
+    "projection, not a measurement: 8 GPUs per node on NVLink (450 GB/s per GPU, 2 us), one NIC per GPU "
+    "(10 us per round between nodes), 8192 tokens per GPU per step, forward+backward at 400 TFLOP/s "
+    "(6·n·tokens flops), the vote's kernels at 1 TB/s of fp32 input, Newton–Schulz at 200 TFLOP/s, {overlap}, "
+    "one bit per entry (dense); SignMuon's Newton–Schulz split over "
+    "each node's 8 GPUs; one-bit rounds: the node's gradient all-reduce every step and a round every 32 steps, "
+    "its cost spread over them (the time per step only: how many more steps rounds need is not modelled)"
+)
+
+
+def model_shapes(name: str) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(parameters, matrix shapes) of a GPT-style model of ``GPT_SIZES``."""
+    layers, width, vocab = GPT_SIZES[name]
+    per_layer = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]
+    matrices = tuple(per_layer * layers)  # the hidden matrices; the embedding is not orthogonalised
+    return sum(r * c for r, c in matrices) + vocab * width, matrices
+
+
+OVERLAP_WORDS = {
+    True: "backward (2/3 of the compute) hiding DDP's bucketed communication of 25 MB buckets (not the node-aware "
+    "votes' blocking gather in the node, nor a round)",
+    False: "no overlap of communication with backward (an upper bound)",
+}
+
+
+def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
+    """The projection table: every model, node count and link of :data:`PROJECTION`."""
+    rows = []
+    for name in PROJECTION["models"]:
+        params, matrices = model_shapes(name)
+        compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
+        workload = Workload(
+            params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12, overlap=overlap
+        )
+        for gbit in PROJECTION["links_gbit"]:
+            for nodes in PROJECTION["nodes"]:
+                cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
+                # The baseline a user has today: the faster fp32 schedule (a flat ring's 2(M-1) rounds
+                # cost more than its bytes on hundreds of nodes).
+                base = min(predict(m, cluster, workload)["step_s"] for m in ("allreduce", "allreduce_node"))
+                for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"):
+                    step = predict(method, cluster, workload)["step_s"]
+                    rows.append(
+                        {
+                            "model": name,
+                            "link_gbit": gbit,
+                            "nodes": nodes,
+                            "method": method,
+                            "step_s": step,
+                            "speedup": base / step,
+                            "baseline_step_s": base,
+                        }
+                    )
+    print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
+    for method, label in (
+        ("signsgd_mv_node", "signSGD-MV / Signum-MV"),
+        ("signmuon_node", "SignMuon"),
+        ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only"),
+    ):
+        print(
+            f"{'model':>9} {'link':>9} "
+            + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
+            + f"   (nodes; {label}, node-aware, step speed-up over the faster fp32 all-reduce, ring or two-level)"
+        )
+        for name in PROJECTION["models"]:
+            for gbit in PROJECTION["links_gbit"]:
+                cells = [
+                    r["speedup"]
+                    for r in rows
+                    if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method
+                ]
+                print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
+    if plot:
+        _plot(rows, plot)
+    return rows
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(PROJECTION["links_gbit"]), figsize=(5 * len(PROJECTION["links_gbit"]), 4), sharey=True
+    )
+    for ax, gbit in zip(axes, PROJECTION["links_gbit"]):
+        for color, name in enumerate(PROJECTION["models"]):
+            for method, style, label in (("signsgd_mv_node", "-", "Signum-MV"), ("signmuon_node", "--", "SignMuon")):
+                cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
+                ax.plot(
+                    [r["nodes"] for r in cells],
+                    [r["speedup"] for r in cells],
+                    style,
+                    marker="o",
+                    color=f"C{color}",
+                    label=f"{name}, {label}",
+                )
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{gbit} Gbit/s per GPU between nodes")
+        ax.set_xlabel("nodes of 8 GPUs")
+    axes[0].set_ylabel("step speed-up over the faster fp32 all-reduce")
+    axes[0].legend(fontsize="small", ncol=2)
+    fig.suptitle(
+        "Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model (assumptions in the README)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
