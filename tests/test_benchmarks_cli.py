@@ -356,3 +356,18 @@ def test_every_command_module_exports_its_name_summary_and_main():
     for name in COMMANDS:
         module = load(name)
         assert module.NAME == name and module.SUMMARY and callable(module.main)
+
+
+def test_every_report_is_written_by_one_writer_and_old_row_lists_still_read(tmp_path):
+    import inspect
+
+    from signmuon.benchmarks.commands import COMMANDS, load
+    from signmuon.benchmarks.reports.writer import read_report, write_report
+
+    written = write_report("plan", ["--nodes", "2"], {"rows": [{"method": "allreduce"}]}, str(tmp_path / "p.json"))
+    assert read_report(str(tmp_path / "p.json")) == written
+    assert written["command"] == "signmuon-bench plan --nodes 2"
+    (tmp_path / "old.json").write_text(json.dumps([{"method": "allreduce"}]))
+    assert read_report(str(tmp_path / "old.json")) == {"rows": [{"method": "allreduce"}]}
+    for name in COMMANDS:  # no command writes its JSON report itself
+        assert "json.dump(" not in inspect.getsource(load(name)) or name == "lost-node", name

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import statistics
@@ -23,6 +22,7 @@ import statistics
 import torch
 
 from signmuon.benchmarks.methods.registry import add_methods_option, builder, parse_methods
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser, positive_int, size
 from signmuon.benchmarks.runtime.launch import (
     run_distributed,
@@ -101,9 +101,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             f"{r['p90_s'] * 1e3:>8.3f} {r['bytes_per_rank'] / 1e3:>10.1f} {r['algbw_GBps']:>10.3f} "
             f"{r['busbw_GBps']:>8.3f} {r.get('speedup_vs_fp32', float('nan')):>8.2f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_report("bandwidth", args.argv, {"rows": rows}, args.json)
     if args.csv:
         fields = sorted({k for r in rows for k in r})
         with open(args.csv, "w", newline="") as f:
@@ -150,6 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--plot", help="write a PNG plot (needs matplotlib: the bench extra)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parse_methods(parser, argv)
+    args.argv = argv  # the report's command line
     if under_torchrun():
         rows = run_torchrun(_worker, args)
         args.backend_name = "torchrun"

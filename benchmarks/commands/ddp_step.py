@@ -21,7 +21,6 @@ four batches, so ReLU's dead units differ from step to step as in training.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
@@ -30,6 +29,7 @@ from torch import nn
 
 from signmuon.benchmarks.methods.registry import add_methods_option, builder, parse_methods
 from signmuon.benchmarks.methods.training import fsdp_traffic
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import add_vote_zeros, command_parser, positive_int
 from signmuon.benchmarks.runtime.launch import (
     run_distributed,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = merge_rounds([run_torchrun(_worker, args, args.methods) for _ in range(args.rounds)])
         if os.environ["RANK"] == "0":
             report(rows, int(os.environ["WORLD_SIZE"]))
-            _write_json(rows, args.json)
+            write_report("ddp-step", argv, {"rows": rows}, args.json)
         return rows
     passes = []
     for _ in range(args.rounds):
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         passes.append(rows)
     rows = merge_rounds(passes)
     report(rows, args.world_size)
-    _write_json(rows, args.json)
+    write_report("ddp-step", argv, {"rows": rows}, args.json)
     return rows
 
 
@@ -200,9 +200,3 @@ def merge_rounds(passes: list[list[dict]]) -> list[dict]:
         times = [r["step_s"] for r in mine]
         rows.append({**last, "step_s": statistics.median(times), "step_s_rounds": times})
     return rows
-
-
-def _write_json(rows: list[dict], path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)

@@ -19,8 +19,9 @@ import math
 from signmuon.benchmarks.methods.local_steps import LOCAL_SGD_PULL_PUSH as LOCAL_SGD
 from signmuon.benchmarks.methods.training import TrainConfig
 from signmuon.benchmarks.reports.curves import mean_std
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runs.training import run
-from signmuon.benchmarks.runtime.cli import command_parser, positive_int, write_report
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int
 from signmuon.benchmarks.workloads.tasks import CHARLM_SIZES, TASKS
 
 NAME = "dppf-sweep"

@@ -28,7 +28,8 @@ from datetime import timedelta
 import torch
 
 from signmuon.benchmarks.methods.tuned import tuned_lr_scale
-from signmuon.benchmarks.runtime.cli import command_parser, non_negative_float, positive_int, write_report
+from signmuon.benchmarks.reports.writer import write_report
+from signmuon.benchmarks.runtime.cli import command_parser, non_negative_float, positive_int
 from signmuon.benchmarks.workloads.tasks import TASKS, evaluate, loss_fn
 
 NAME = "lost-node"

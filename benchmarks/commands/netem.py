@@ -26,13 +26,13 @@ loss per method and rate and ``--plot`` draws test loss against wall time, one p
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 
 from signmuon.benchmarks.commands import COMMANDS
 from signmuon.benchmarks.netem.network import EmulatedNetwork, rate_bits
+from signmuon.benchmarks.reports.writer import read_report, write_report
 from signmuon.benchmarks.runtime.cli import command_parser
 
 NAME = "netem"
@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_time_to_target(reports)
         if args.plot:
             plot_rates(reports, args.plot)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "signmuon-bench netem " + " ".join(argv), "reports": reports}, f, indent=1)
+    write_report("netem", argv, {"reports": reports}, args.json)
     return reports[0] if len(reports) == 1 else {"reports": reports}
 
 
@@ -111,27 +109,27 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
             f"tx_bytes_per_{unit}": sent,
         }
         if os.path.exists(json_path):
-            with open(json_path) as f:
-                loaded = json.load(f)
+            loaded = read_report(json_path)
             if inner[0] == "train":
                 report["train"] = loaded
             elif inner[0] == "ddp-step":
                 # The vote's bytes between nodes, every call of the run, as the optimizer or hook counted them.
+                rows = loaded["rows"]
                 counted = [
                     r["between_nodes_bytes_per_node_all_calls"]
-                    for r in loaded
+                    for r in rows
                     if "between_nodes_bytes_per_node_all_calls" in r
                 ]
                 if counted and L > 1:
                     report[f"algorithmic_bytes_per_{unit}"] = sum(counted)
-                report["rows"] = loaded
+                report["rows"] = rows
             else:
                 warmup_iters = _calls_per_measurement(inner)
                 # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for signsgd_mv_node).
                 report[f"algorithmic_bytes_per_{unit}"] = L * sum(
-                    r["bytes_per_rank"] * warmup_iters for r in loaded if "bytes_per_rank" in r
+                    r["bytes_per_rank"] * warmup_iters for r in loaded["rows"] if "bytes_per_rank" in r
                 )
-                report["rows"] = loaded
+                report["rows"] = loaded["rows"]
         print(f"rate={rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
         if f"algorithmic_bytes_per_{unit}" in report:
             print(

@@ -15,7 +15,6 @@ are printed with it; it is a projection, not a measurement.
 
 from __future__ import annotations
 
-import json
 import math
 
 from signmuon.benchmarks.commands import load
@@ -23,6 +22,7 @@ from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_r
 from signmuon.benchmarks.cost.projection import GPT_SIZES, model_shapes, projection
 from signmuon.benchmarks.cost.validation import median_rows, wire_seconds
 from signmuon.benchmarks.methods.registry import names_for
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser, positive_int
 
 NAME = "plan"
@@ -316,7 +316,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         rows = _table(cluster, workload, args.methods)
         _print(rows, cluster, workload)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_report("plan", argv, {"rows": rows}, args.json)
     return rows

@@ -15,8 +15,9 @@ import statistics
 
 from signmuon.benchmarks.methods.registry import add_methods_option, parse_methods
 from signmuon.benchmarks.methods.training import TrainConfig
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runs.training import run
-from signmuon.benchmarks.runtime.cli import command_parser, positive_int, write_report
+from signmuon.benchmarks.runtime.cli import command_parser, positive_int
 from signmuon.benchmarks.workloads.tasks import TASKS
 
 NAME = "sweep"

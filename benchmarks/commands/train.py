@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import statistics
-import sys
 
 from signmuon.benchmarks.methods.registry import add_methods_option, names_for, parse_methods
 from signmuon.benchmarks.methods.training import STRATEGIES, TrainConfig
@@ -30,6 +28,7 @@ from signmuon.benchmarks.reports.train_report import (
     print_time_split,
     write_curves,
 )
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runs.training import run
 from signmuon.benchmarks.runtime.cli import add_vote_zeros, check_device, command_parser, network_label, positive_int
 from signmuon.benchmarks.runtime.launch import (
@@ -205,17 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"(benchmarks/results/{SWEEPS.get(results[0]['task'].split('-')[0], 'none')}); ~ = its factor for the "
             "same optimizer"
         )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "command": "signmuon-bench train " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "target_loss": target,
-                        "summary": summaries,
-                        "runs": [{k: v for k, v in r.items() if k != "final_state"} for r in results],
-                    },
-                    f,
-                    indent=1,
-                )
+        runs = [{k: v for k, v in r.items() if k != "final_state"} for r in results]
+        write_report("train", argv, {"target_loss": target, "summary": summaries, "runs": runs}, args.json)
         write_curves(results, args.csv, args.plot)
     return results

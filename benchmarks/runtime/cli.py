@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 
@@ -20,7 +18,6 @@ __all__ = [
     "non_negative_float",
     "size",
     "check_device",
-    "write_report",
 ]
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -101,16 +98,6 @@ def command_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
 def network_label() -> str:
     """The emulated link a run is under (``netem`` sets it for the ranks it starts), or ``loopback``."""
     return os.environ.get("SIGNMUON_NETEM_RATE", "loopback")
-
-
-def write_report(command: str, argv: list[str] | None, fields: dict, path: str | None) -> dict:
-    """The JSON report of a benchmark command: the command line that made it, then ``fields``;
-    written to ``path`` when given. Returned either way."""
-    report = {"command": f"signmuon-bench {command} " + " ".join(sys.argv[1:] if argv is None else argv), **fields}
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
 
 
 def add_vote_zeros(parser: argparse.ArgumentParser) -> None:
