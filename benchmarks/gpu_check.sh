@@ -44,7 +44,7 @@ section() {
 import torch
 from signmuon.comm_hooks import majority_vote, VoteConfig
 from signmuon.comm_hooks.kernels import cuda, reference
-from signmuon.comm_hooks.kernels.layout import words_for
+from signmuon.comm_hooks.kernels.bits import words_for
 for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
     for n in (1, 63, 64, 65, 1000, 100_003):
         x = torch.randn(n).to(dtype)

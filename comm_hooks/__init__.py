@@ -17,7 +17,7 @@ from .dist import (
     check_replicas,
 )
 from .hook_state import VoteHookState
-from .kernels.layout import SignSegments
+from .kernels.bits import SignSegments
 from .sign_muon_hook import SignMuonHookState, WorkerDirections, sign_muon_hook
 from .sign_vote_hook import SignVoteState, sign_vote_hook
 from .vote import (

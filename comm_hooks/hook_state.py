@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
-from .kernels.layout import SignSegments
+from .kernels.bits import SignSegments
 from .pipeline import VotePipeline
 from .vote import (
     MomentumStep,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .dist import CommStats, all_reduce, all_to_all, group_device, mean_all_reduce, nonfinite_flag
-from .kernels.layout import SignSegments
+from .kernels.bits import SignSegments
 from .vote import NodeLayout, VoteConfig, vote_in_place
 
 __all__ = ["ShardSpec", "ShardVoter"]

@@ -22,7 +22,7 @@ from .dist import (
     mean_all_reduce,
     split_like,
 )
-from .kernels.layout import SignSegments
+from .kernels.bits import SignSegments
 from .vote import NodeLayout, OwnedVoteWork, VoteConfig, mean_node_aware, node_layout, vote_in_place
 
 __all__ = ["StepVoter"]

@@ -93,7 +93,8 @@ class ShardedExchange(Exchange):
     """Whether every rank's optimizer settings were compared (at the first step)."""
 
     @property
-    def layout(self) -> tuple[int, int]:
+    def mesh_shape(self) -> tuple[int, int]:
+        """(nodes, ranks per node)."""
         return self.mesh.shape[0], self.mesh.shape[1]
 
     finishes_vote = True
@@ -129,7 +130,7 @@ class ShardedExchange(Exchange):
         state that every node shares (AdamW's moments) as DTensors like their parameter; the
         step count and the layout in every param group (the only entries DCP keeps besides state)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        nodes, per_node = self.layout
+        nodes, per_node = self.mesh_shape
         out = {}
         for index, values in state["state"].items():
             p = params[index]
@@ -148,7 +149,7 @@ class ShardedExchange(Exchange):
             return DTensor.from_local(
                 value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
             )
-        shape = (self.layout[0], *param.shape)
+        shape = (self.mesh_shape[0], *param.shape)
         return DTensor.from_local(
             value.unsqueeze(0),
             self.mesh,
@@ -170,7 +171,7 @@ class ShardedExchange(Exchange):
                 "this state dict was not saved by a sign-vote optimizer on FSDP shards (no node layout in its param "
                 "groups); save with get_state_dict(model, optimizer) after register_fsdp_vote"
             )
-        nodes, per_node = self.layout
+        nodes, per_node = self.mesh_shape
         if info["nodes"] != nodes:
             raise ValueError(
                 f"the checkpoint was saved on {info['nodes']} node(s) x {info['ranks_per_node']} rank(s); this run has "
@@ -324,7 +325,7 @@ def check_checkpoint_layout(checkpoint_id: Any, optimizer: SignVoteOptimizer) ->
     per_node = max(
         sum(1 for c in md.chunks if c.offsets[0] == 0 and (len(c.sizes) < 2 or c.sizes[1] > 0)) for md in saved
     )
-    now_nodes, now_per_node = sharded.layout
+    now_nodes, now_per_node = sharded.mesh_shape
     if nodes != now_nodes:
         raise ValueError(
             f"the checkpoint was saved on {nodes} node(s) x {per_node} rank(s); this run has {now_nodes} node(s) x "

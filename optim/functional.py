@@ -21,7 +21,7 @@ import math
 import torch
 
 from signmuon.comm_hooks.dist import nonfinite_flag
-from signmuon.comm_hooks.kernels.layout import lerp_unless
+from signmuon.comm_hooks.kernels.bits import advance_momentum_unless
 
 from .newton_schulz import MUON_COEFFICIENTS, as_matrix, newton_schulz
 
@@ -53,12 +53,12 @@ def advance_momentum(buf: torch.Tensor, grad: torch.Tensor, beta: float) -> torc
 
     Signum's momentum step per parameter (the optimizers'); the DDP hook advances its buckets'
     momentum inside the pack instead (``vote.MomentumStep``, the kernels' ``momentum_pack``),
-    rounding alike (:func:`~signmuon.comm_hooks.kernels.layout.lerp_unless`). A non-finite
+    rounding alike (:func:`~signmuon.comm_hooks.kernels.bits.advance_momentum_unless`). A non-finite
     gradient never enters the momentum. On CPU the check is one summing pass; on a GPU the
     update is a select on the device (no host synchronisation).
     """
     bad = nonfinite_flag(grad)
-    lerp_unless(buf, grad, 1.0 - beta, bad)
+    advance_momentum_unless(buf, grad, 1.0 - beta, bad)
     return bad
 
 

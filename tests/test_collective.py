@@ -175,7 +175,7 @@ def test_zero_runs_and_their_plane_follow_the_definition():
     import random
 
     from signmuon.comm_hooks.kernels import cpu
-    from signmuon.comm_hooks.kernels.layout import words_for
+    from signmuon.comm_hooks.kernels.bits import words_for
     from signmuon.comm_hooks.vote.encodings.zero_codes import plane_from_runs, zero_runs
 
     rng = random.Random(0)
@@ -231,7 +231,7 @@ def test_zero_rows_travel_as_runs_at_a_word_each(world_size):
 
 
 def _coin_worker(rank: int, world_size: int, n: int) -> dict:
-    from signmuon.comm_hooks.kernels.layout import SignSegments
+    from signmuon.comm_hooks.kernels.bits import SignSegments
 
     gen = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(n, generator=gen)
@@ -255,7 +255,7 @@ def _coin_worker(rank: int, world_size: int, n: int) -> dict:
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_zero_rule_coin_sends_one_bit_and_votes_a_keyed_coin_for_each_zero(world_size):
     from signmuon.comm_hooks.kernels import reference
-    from signmuon.comm_hooks.kernels.layout import GOLDEN, MASK64, mix64
+    from signmuon.comm_hooks.kernels.bits import GOLDEN, MASK64, mix64
     from signmuon.comm_hooks.vote.encodings.sign import ZERO_COIN_SALT, call_key
 
     n = 4096
@@ -289,7 +289,7 @@ def test_zero_coins_on_unaligned_segments_of_a_slice_follow_the_definition():
     # tensor is a slice starting mid-segment (as a node-aware rail votes), one segment is zero
     # throughout in the slice (it abstains) and one only partly inside it.
     from signmuon.comm_hooks.kernels import reference
-    from signmuon.comm_hooks.kernels.layout import GOLDEN, MASK64, SignSegments, mix64
+    from signmuon.comm_hooks.kernels.bits import GOLDEN, MASK64, SignSegments, mix64
     from signmuon.comm_hooks.vote.encodings.sign import ZERO_COIN_SALT, call_key
 
     first, n = 37, 700

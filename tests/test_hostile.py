@@ -62,7 +62,7 @@ def _dppf_shape_worker(rank, world_size):
 
 def test_dppf_with_a_differently_shaped_model_raises_on_every_rank():
     for error in run_distributed(_dppf_shape_worker, 2):
-        assert error.startswith("VoteMismatchError") and "local-step round" in error and "layout" in error
+        assert error.startswith("VoteMismatchError") and "local-step round" in error and "shapes" in error
 
 
 def _replicas_count_worker(rank, world_size):

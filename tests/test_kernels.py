@@ -14,7 +14,7 @@ import torch
 
 from signmuon.comm_hooks import SignSegments
 from signmuon.comm_hooks.kernels import cpu, kernels_for, reference, torch_ops
-from signmuon.comm_hooks.kernels.layout import words_for
+from signmuon.comm_hooks.kernels.bits import words_for
 
 FAMILIES = {"numba": cpu, "torch": torch_ops}
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -172,7 +172,7 @@ def test_kernel_choice_is_explicit():
 _TRITON_CHECK = """
 import torch
 from signmuon.comm_hooks.kernels import cuda, reference
-from signmuon.comm_hooks.kernels.layout import words_for
+from signmuon.comm_hooks.kernels.bits import words_for
 from tests.test_kernels import _input, DTYPES
 checked = 0
 for dtype in DTYPES:

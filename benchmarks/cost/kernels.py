@@ -8,7 +8,7 @@ from signmuon.benchmarks.runtime.launch import median_seconds
 from signmuon.comm_hooks import SignSegments
 from signmuon.comm_hooks.dist import nonfinite_flag
 from signmuon.comm_hooks.kernels import kernels_for, warm_up
-from signmuon.comm_hooks.kernels.layout import momentum_then_pack, words_for
+from signmuon.comm_hooks.kernels.bits import advance_momentum_then_pack, words_for
 
 __all__ = ["measure"]
 
@@ -40,7 +40,7 @@ def measure(
         "pack": median_seconds(lambda: family.pack(x, shard * world_size), repeats, device),
         "signum": median_seconds(lambda: signum(family.momentum_pack), repeats, device),
         "signum_two_pass": median_seconds(
-            lambda: signum(lambda *a: momentum_then_pack(family.pack, *a)), repeats, device
+            lambda: signum(lambda *a: advance_momentum_then_pack(family.pack, *a)), repeats, device
         ),
         "ties": median_seconds(lambda: family.tie_words(segments, 7, 0, shard, device), repeats, device),
         "vote": median_seconds(lambda: family.vote(planes, None, None, tie), repeats, device),

@@ -121,7 +121,7 @@ def fsdp(optimizer: type | None) -> Callable[..., StepSetup]:
         shard_blocks(net, mesh["local"])
         opt = optimizer(net.parameters(), lr=1e-3, vote=VoteConfig(zeros=args.vote_zeros))
         exchange = register_fsdp_vote(net, opt, mesh)
-        nodes, per_node = exchange.layout
+        nodes, per_node = exchange.mesh_shape
         return StepSetup(
             net, opt, opt, shard_ranks=per_node, node_layout=lambda: (nodes, per_node, exchange.voter.layout.node_group)
         )

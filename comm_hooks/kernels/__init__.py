@@ -69,7 +69,7 @@ def kernels_for(device: torch.device, choice: str = "auto") -> ModuleType:
 def warm_up(device: torch.device | str, dtypes=(torch.float32,), choice: str = "auto") -> None:
     """Run every kernel of the family once on a tiny input of each of ``dtypes``, so the first
     compile (numba's, or loading its on-disk cache; Triton's) happens now, not in a timed region."""
-    from .layout import SignSegments
+    from .bits import SignSegments
 
     kernels = kernels_for(torch.device(device), choice)
     for dtype in dtypes:

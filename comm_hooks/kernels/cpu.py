@@ -18,7 +18,7 @@ import numba
 import numpy as np
 import torch
 
-from .layout import FLOAT_LAYOUTS, SignSegments, data_words, momentum_then_pack
+from .bits import FLOAT_LAYOUTS, SignSegments, advance_momentum_then_pack, data_words
 
 __all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_words", "NAME"]
 
@@ -264,7 +264,7 @@ def pack(x: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor, int, 
 
 # Two passes: torch's lerp_ already runs at memory speed, and a numba loop mixing the update
 # with the bit packing does not vectorise (measured slower: benchmarks/results, vote-cpu-speed).
-momentum_pack = functools.partial(momentum_then_pack, pack)
+momentum_pack = functools.partial(advance_momentum_then_pack, pack)
 
 
 def unpack(positive: torch.Tensor, nonzero: torch.Tensor | None, out: torch.Tensor) -> None:

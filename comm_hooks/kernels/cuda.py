@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import torch_ops
-from .layout import FLOAT_LAYOUTS, SignSegments, data_words
+from .bits import FLOAT_LAYOUTS, SignSegments, data_words
 
 __all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_words", "NAME"]
 

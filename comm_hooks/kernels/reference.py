@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .layout import GOLDEN, MASK64, SignSegments, mix64, momentum_then_pack, words_for
+from .bits import GOLDEN, MASK64, SignSegments, advance_momentum_then_pack, mix64, words_for
 
 __all__ = ["pack", "momentum_pack", "unpack", "vote", "tie_bit", "tie_words"]
 
@@ -41,7 +41,7 @@ def pack(x: torch.Tensor, words: int | None = None) -> tuple[torch.Tensor, torch
     return _to_int64(positive), _to_int64(nonzero), zeros, nonfinite
 
 
-momentum_pack = functools.partial(momentum_then_pack, pack)
+momentum_pack = functools.partial(advance_momentum_then_pack, pack)
 """Signum's momentum step as torch's ``lerp_`` defines it (skipped where ``skip``), then :func:`pack`."""
 
 

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from .layout import GOLDEN, MASK64, SignSegments, as_signed, momentum_then_pack, shift_right
+from .bits import GOLDEN, MASK64, SignSegments, advance_momentum_then_pack, as_signed, shift_right
 
 __all__ = ["pack", "momentum_pack", "unpack", "vote", "vote_packed", "tie_words", "popcount64", "NAME"]
 
@@ -41,7 +41,7 @@ def pack(x: torch.Tensor, words: int):
     return positive, nonzero, zeros, nonfinite
 
 
-momentum_pack = functools.partial(momentum_then_pack, pack)
+momentum_pack = functools.partial(advance_momentum_then_pack, pack)
 
 
 def _bits(words: torch.Tensor, numel: int) -> torch.Tensor:

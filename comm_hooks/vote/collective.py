@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..dist import CommStats, group_size_rank
 from ..kernels import kernels_for
-from ..kernels.layout import SignSegments, words_for
+from ..kernels.bits import SignSegments, words_for
 from .config import VoteConfig
 from .encodings import VOTE_ENCODINGS, MomentumStep, VoteCall
 from .packing import check_float

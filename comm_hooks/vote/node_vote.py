@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..dist import CommStats, all_reduce, flatten, gather_rows, mean_all_reduce, nonfinite_flag, ring_bytes, split_like
-from ..kernels.layout import SignSegments
+from ..kernels.bits import SignSegments
 from .collective import VoteWork
 from .config import VoteConfig
 from .encodings import MomentumStep

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import kernels_for
-from ..kernels.layout import FLOAT_LAYOUTS
+from ..kernels.bits import FLOAT_LAYOUTS
 
 __all__ = [
     "packed_size",

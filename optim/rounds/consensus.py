@@ -155,8 +155,8 @@ def round_flags(
     Parameters with a gradient on any rank take part everywhere, so one unused on a single rank
     is still averaged consistently."""
     device = group_device(group)
-    layout = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
-    fields = {"step": step, "parameters": len(params), "layout": layout, "settings": settings}
+    shapes = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
+    fields = {"step": step, "parameters": len(params), "shapes": shapes, "settings": settings}
     agree(fields, group, what="a local-step round", stats=stats)
     # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
     flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)

@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from ...dist import from_host
-from ...kernels.layout import words_for
+from ...kernels.bits import words_for
 from .sign import EncodedRows
 from .wire import Plan
 

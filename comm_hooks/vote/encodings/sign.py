@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from ...kernels.layout import GOLDEN, MASK64, SignSegments, mix64, words_for
+from ...kernels.bits import GOLDEN, MASK64, SignSegments, mix64, words_for
 from ...kernels.torch_ops import popcount64
 from .faults import ByzantineFault
 from .wire import FLAG_ZERO_PLANE as ZERO_PLANE

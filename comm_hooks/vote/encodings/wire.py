@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from ...kernels.layout import FLOAT_LAYOUTS
+from ...kernels.bits import FLOAT_LAYOUTS
 
 __all__ = [
     "AGREE_FIELDS",

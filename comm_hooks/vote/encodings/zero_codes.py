@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.layout import as_signed, shift_right
+from ...kernels.bits import as_signed, shift_right
 from ...kernels.torch_ops import popcount64
 from .wire import EXTRA_SHIFT, with_extra
 from .wire import FLAG_ZERO_LIST as ZERO_LIST

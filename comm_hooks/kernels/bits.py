@@ -18,8 +18,8 @@ __all__ = [
     "mix64",
     "as_signed",
     "shift_right",
-    "lerp_unless",
-    "momentum_then_pack",
+    "advance_momentum_unless",
+    "advance_momentum_then_pack",
 ]
 
 MASK64 = (1 << 64) - 1
@@ -72,7 +72,7 @@ FLOAT_LAYOUTS: dict[torch.dtype, FloatLayout] = {
 }
 
 
-def lerp_unless(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor) -> None:
+def advance_momentum_unless(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor) -> None:
     """``buf.lerp_(grad, weight)`` (torch's rounding: one fma per entry) unless the 0-d bool
     ``skip`` is set. On CPU a branch; elsewhere a select on the device (no host synchronisation)."""
     if buf.device.type == "cpu":
@@ -82,9 +82,11 @@ def lerp_unless(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torc
         buf.copy_(torch.where(skip, buf, buf.lerp(grad.to(buf.dtype), weight)))
 
 
-def momentum_then_pack(pack, buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor, words: int):
-    """A family's ``momentum_pack`` as two passes: :func:`lerp_unless`, then ``pack(buf, words)``."""
-    lerp_unless(buf, grad, weight, skip)
+def advance_momentum_then_pack(
+    pack, buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: torch.Tensor, words: int
+):
+    """A family's ``momentum_pack`` as two passes: :func:`advance_momentum_unless`, then ``pack(buf, words)``."""
+    advance_momentum_unless(buf, grad, weight, skip)
     return pack(buf, words)
 
 
