@@ -10,6 +10,7 @@ import ast
 import importlib
 import pathlib
 import re
+from pathlib import Path
 
 import pytest
 
@@ -273,3 +274,16 @@ def test_no_command_module_is_imported_as_a_library(path):
         and (commands / f"{module.split('.')[3]}.py").exists()  # a command module, not a name in the package
     ]
     assert not found, "\n".join(found)
+
+
+def test_commands_are_run_through_the_dispatcher_in_docs_and_scripts():
+    """A command module has no ``__main__`` block: ``python -m signmuon.benchmarks.commands.X`` would
+    do nothing, so every example runs ``python -m signmuon.benchmarks X``."""
+    texts = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".sh") and ".venv" not in p.parts]
+    texts = [p for p in texts if p != Path(__file__).resolve()]  # this test names the stale form
+    stale = [
+        str(p.relative_to(ROOT))
+        for p in texts
+        if p.is_file() and "results" not in p.parts and re.search(r"-m signmuon\.benchmarks\.\w", p.read_text())
+    ]
+    assert not stale, stale

@@ -8,7 +8,7 @@ so every method is compared against moving the full fp32 gradient), and the spee
 the fp32 all-reduce of the same size measured in the same run.
 
     signmuon-bench bandwidth --world-size 4 --sizes 1K 64K 1M 16M
-    torchrun --nnodes 2 --nproc-per-node 8 -m signmuon.benchmarks.commands.bandwidth --sizes 1M 256M
+    torchrun --nnodes 2 --nproc-per-node 8 -m signmuon.benchmarks bandwidth --sizes 1M 256M
 """
 
 from __future__ import annotations

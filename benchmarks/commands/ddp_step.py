@@ -14,8 +14,8 @@ formula; "bits/entry" is 8 x bytes / (parameters x 2(M-1)/M), the bandwidth-opti
 all-reduce's cost per entry (32 for fp32, 1 for an ideal 1-bit vote). Each step draws one of
 four batches, so ReLU's dead units differ from step to step as in training.
 
-    python -m signmuon.benchmarks.commands.ddp_step --world-size 2          # local gloo ranks
-    torchrun --nproc-per-node 8 -m signmuon.benchmarks.commands.ddp_step    # a real cluster
+    python -m signmuon.benchmarks ddp-step --world-size 2          # local gloo ranks
+    torchrun --nproc-per-node 8 -m signmuon.benchmarks ddp-step    # a real cluster
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ on the same model in the same run; ``signsgd_mv_in_step`` votes in ``step()`` af
 (``initialize(..., overlap_backward=False)``). Reports step time as a ratio to the all-reduce engine and to
 that DDP step, and bytes sent per rank per step.
 
-    python -m signmuon.benchmarks.commands.deepspeed_step --world-size 2
+    python -m signmuon.benchmarks deepspeed-step --world-size 2
 """
 
 from __future__ import annotations

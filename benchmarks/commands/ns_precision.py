@@ -6,7 +6,7 @@ hard case: NS multiplies small singular values by up to ~3.4 per iteration, so r
 the null space grows to the size of the signal. For each size, rank and precision this reports
 the fraction of entries whose sign differs from a float64 reference, and the time of one call.
 
-    python -m signmuon.benchmarks.commands.ns_precision --sizes 256 1024 4096 --ranks 8 32 0 --device cuda
+    python -m signmuon.benchmarks ns-precision --sizes 256 1024 4096 --ranks 8 32 0 --device cuda
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Newton–Schulz time per matrix size: the compute SignMuon adds to each step (twice with
 the post-vote polar step), in float32 (SignMuon's default) or bfloat16.
 
-    python -m signmuon.benchmarks.commands.ns_time --sizes 512 1024 2048 4096 --device cuda
+    python -m signmuon.benchmarks ns-time --sizes 512 1024 2048 4096 --device cuda
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Tasks (see ``workloads/tasks.py``): ``digits`` (scikit-learn's digits, a small C
 small GPT on the standard library's source), ``cifar10`` (ResNet-18, from ``--data-dir``).
 Each step every rank draws its own slice of the global batch.
 
-    python -m signmuon.benchmarks.commands.train --world-size 4 --methods adamw signsgd_mv signum_mv
-    torchrun --nproc-per-node 4 -m signmuon.benchmarks.commands.train
+    python -m signmuon.benchmarks train --world-size 4 --methods adamw signsgd_mv signum_mv
+    torchrun --nproc-per-node 4 -m signmuon.benchmarks train
 """
 
 from __future__ import annotations
