@@ -157,19 +157,10 @@ class ShardVoter:
             keys.append(specs[i].key)
             firsts.append(0)
         voter = torch.cat([p.float() for p in pieces]) if pieces else torch.zeros(0, device=device)
-        starts = [0]
-        for p in pieces:
-            starts.append(starts[-1] + p.numel())
-        segments = SignSegments(tuple(starts), tuple(keys), tuple(firsts)) if pieces else None
+        segments = SignSegments.of_pieces([p.numel() for p in pieces], keys, firsts) if pieces else None
+        rail = self.layout.rail_group, self.config.rail
         voted = vote_in_place(
-            voter,
-            self.layout.rail_group,
-            self.config.rail,
-            step=step,
-            segments=segments,
-            stats=self.stats,
-            label=label,
-            input_nonfinite=any_bad,
+            voter, *rail, step=step, segments=segments, stats=self.stats, label=label, input_nonfinite=any_bad
         )
         results: list[torch.Tensor | None] = [None] * len(specs)
         cursor = 0

@@ -119,10 +119,7 @@ class StepVoter:
             return voted
         directions = [direction(i, g) if here else g for i, (g, here) in enumerate(zip(grads, present))]
         flat = flatten(directions)
-        starts = [0]
-        for d in directions:
-            starts.append(starts[-1] + d.numel())
-        segments = SignSegments(tuple(starts), tuple(range(len(directions))))
+        segments = SignSegments.of_pieces([d.numel() for d in directions], list(range(len(directions))))
         # The voted list is agreed by used_on_any_rank, its shapes by the settings.
         vote_in_place(flat, self.group, self.config.rail, step=step, segments=segments, stats=self.stats, label=label)
         return split_like(flat, directions)

@@ -131,14 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for period in args.periods:
         for seed in args.seeds:
-            base = TrainConfig(
-                task=args.task,
-                size=args.size,
-                steps=args.steps,
-                eval_every=args.steps,
-                batch_size=args.batch_size,
-                seed=seed,
-            )
+            base = TrainConfig.from_args(args, eval_every=args.steps, seed=seed)  # task, size, steps, batch
             settings = [(LOCAL_SGD, f"local_sgd_{period}", base)] + [
                 ((pull, push), f"dppf_{period}", dataclasses.replace(base, pull_push=(pull, push)))
                 for pull, push in grid

@@ -90,15 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     for scale in args.lr_scales:
         for seed in args.seeds:
             # Factors on each method's default learning rate, not on an earlier sweep's choice.
-            config = TrainConfig(
-                task=args.task,
-                steps=args.steps,
-                eval_every=args.steps,
-                batch_size=args.batch_size,
-                seed=seed,
-                lr_scale=scale,
-                tuned_lr=False,
-            )
+            config = TrainConfig.from_args(args, eval_every=args.steps, seed=seed, lr_scale=scale, tuned_lr=False)
             for result in run(args.methods, args.world_size, config):
                 final = result["log"][-1]
                 grid.append(

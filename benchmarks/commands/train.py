@@ -157,28 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--strategy fsdp shards over each node: pass --ranks-per-node L")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world_size % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must be >= 1 and divide --world-size {args.world_size}")
-    config = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        byzantine=args.byzantine,
-        size=args.size,
-        eval_every=args.eval_every,
-        task=args.task,
-        data_dir=args.data_dir,
-        device=args.device,
-        arch=args.arch,
-        progress=args.progress,
-        ranks_per_node=args.ranks_per_node,
-        clip_grad_norm=args.clip_grad_norm,
-        lr_scale=args.lr_scale,
-        tuned_lr=args.tuned_lr,
-        strategy=args.strategy,
-        vote_zeros=args.vote_zeros,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        outer_scale_block=args.outer_scale_block,
-        outer_scale_bits=args.outer_scale_bits,
-    )
+    config = TrainConfig.from_args(args)  # every option of the run's settings
     # Under torchrun one process group serves every run (making it again can hang the rendezvous).
     with torchrun_group() if under_torchrun() else contextlib.nullcontext():
         results = [

@@ -102,6 +102,13 @@ class TrainConfig:
     every rank, the vote methods over each node (``ranks_per_node``) and vote between nodes, the
     DiLoCo methods over each node with rounds between nodes."""
 
+    @classmethod
+    def from_args(cls, args, **fields) -> "TrainConfig":
+        """The run a command's parsed options describe: every field ``args`` has an option of the
+        same name for, then ``fields``."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **fields})
+
 
 @dataclasses.dataclass(kw_only=True)
 class Setup:

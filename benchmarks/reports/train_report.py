@@ -114,12 +114,7 @@ def print_table(results: list[dict], target: float | None = None) -> None:
     base = next((r["bytes_per_rank"] for r in results if r["method"] == "adamw"), None)
     ppl = any("test_ppl" in r for r in results)
     if results:
-        first = results[0]
-        print(
-            f"task={first['task']} world_size={first['world_size']} network={network_label()} "
-            f"steps={first['log'][-1]['step']} seed={first.get('seed', 0)}"
-            + (f" target loss={target:.4f}" if target is not None else "")
-        )
+        _print_header(results[0], f"seed={results[0].get('seed', 0)}", target)
     print(
         f"{'method':>16} {'lr x':>6} {'test acc':>9} {'worker acc':>10} "
         + (f"{'test ppl':>9} " if ppl else "")
@@ -165,11 +160,7 @@ def print_summary(summaries: dict[str, dict], results: list[dict], target: float
     """Several seeds: per method the mean ± std of the final test loss and step time, bytes,
     and how many seeds reach ``target`` in what time and steps (mean ± std of those that do)."""
     first = results[0]
-    print(
-        f"task={first['task']} world_size={first['world_size']} network={network_label()} "
-        f"steps={first['log'][-1]['step']} seeds={summaries[first['method']]['seeds']}"
-        + (f" target loss={target:.4f}" if target is not None else "")
-    )
+    _print_header(first, f"seeds={summaries[first['method']]['seeds']}", target)
     print(
         f"{'method':>16} {'lr x':>6} {'test loss':>17} {'MB sent/rank':>13} {'step ms':>15}"
         + (f" {'reached':>8} {'s to target':>15} {'steps':>13}" if target is not None else "")
@@ -185,3 +176,10 @@ def print_summary(summaries: dict[str, dict], results: list[dict], target: float
             row += f" {s['reached']:>4}/{s['seeds']:<3}"
             row += f" {t[0]:>7.1f} ± {t[1]:<5.1f} {n[0]:>6.0f} ± {n[1]:<4.0f}" if t else f" {'-':>15} {'-':>13}"
         print(row)
+
+
+def _print_header(first: dict, seeds: str, target: float | None) -> None:
+    print(
+        f"task={first['task']} world_size={first['world_size']} network={network_label()} "
+        f"steps={first['log'][-1]['step']} {seeds}" + (f" target loss={target:.4f}" if target is not None else "")
+    )

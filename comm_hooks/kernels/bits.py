@@ -138,6 +138,14 @@ class SignSegments:
         """One piece: the whole tensor."""
         return cls((0, numel), (key,))
 
+    @classmethod
+    def of_pieces(cls, sizes: list[int], keys: list[int], offsets: list[int] | None = None) -> "SignSegments":
+        """Pieces of ``sizes`` entries laid end to end, keyed by ``keys`` (``offsets``: as the field)."""
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        return cls(tuple(starts), tuple(keys), tuple(offsets or ()))
+
     @property
     def numel(self) -> int:
         return self.starts[-1]

@@ -41,15 +41,9 @@ def _chunks(words: int):
 
 
 @triton.jit
-def _pack_kernel(
-    bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask, WORDS: tl.constexpr
-):
-    pid = tl.program_id(0)
-    word = pid * WORDS + tl.arange(0, WORDS)  # [WORDS]
-    lane = tl.arange(0, 64)  # [64]
-    index = word[:, None] * 64 + lane[None, :]  # [WORDS, 64]
-    inside = index < n
-    u = tl.load(bits_ptr + index, mask=inside, other=0).to(tl.uint64) & full_mask
+def _store_planes(u, inside, lane, word, nwords, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, full_mask, abs_mask, exp_mask):
+    """The end of both packing kernels: from the float bits ``u`` [WORDS, 64] of a block, store its
+    positive and nonzero planes (padding bits set), count its zeros, flag a NaN or Inf."""
     a = u & abs_mask
     positive = (((u - 1) & full_mask) < exp_mask) | ~inside  # padding bits set
     nonzero = (a != 0) | ~inside
@@ -60,6 +54,19 @@ def _pack_kernel(
     tl.store(nz_ptr + word, nz_word.to(tl.int64, bitcast=True), mask=word < nwords)
     tl.atomic_add(zeros_ptr, tl.sum(tl.sum((~nonzero).to(tl.int64), axis=1), axis=0))
     tl.atomic_max(bad_ptr, tl.max(tl.max(((a >= exp_mask) & inside).to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _pack_kernel(
+    bits_ptr, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, n, nwords, full_mask, abs_mask, exp_mask, WORDS: tl.constexpr
+):
+    pid = tl.program_id(0)
+    word = pid * WORDS + tl.arange(0, WORDS)  # [WORDS]
+    lane = tl.arange(0, 64)  # [64]
+    index = word[:, None] * 64 + lane[None, :]  # [WORDS, 64]
+    inside = index < n
+    u = tl.load(bits_ptr + index, mask=inside, other=0).to(tl.uint64) & full_mask
+    _store_planes(u, inside, lane, word, nwords, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, full_mask, abs_mask, exp_mask)
 
 
 @triton.jit
@@ -112,16 +119,7 @@ def _momentum_pack_kernel(
             m = new.to(m.dtype)
         tl.store(m_ptr + index, m, mask=inside)
     u = m.to(INT_TYPE, bitcast=True).to(tl.uint64) & full_mask
-    a = u & abs_mask
-    positive = (((u - 1) & full_mask) < exp_mask) | ~inside
-    nonzero = (a != 0) | ~inside
-    weights = tl.full([64], 1, tl.uint64) << lane.to(tl.uint64)
-    pos_word = tl.sum(tl.where(positive, weights[None, :], 0), axis=1)
-    nz_word = tl.sum(tl.where(nonzero, weights[None, :], 0), axis=1)
-    tl.store(pos_ptr + word, pos_word.to(tl.int64, bitcast=True), mask=word < nwords)
-    tl.store(nz_ptr + word, nz_word.to(tl.int64, bitcast=True), mask=word < nwords)
-    tl.atomic_add(zeros_ptr, tl.sum(tl.sum((~nonzero).to(tl.int64), axis=1), axis=0))
-    tl.atomic_max(bad_ptr, tl.max(tl.max(((a >= exp_mask) & inside).to(tl.int32), axis=1), axis=0))
+    _store_planes(u, inside, lane, word, nwords, pos_ptr, nz_ptr, zeros_ptr, bad_ptr, full_mask, abs_mask, exp_mask)
 
 
 @triton.jit
@@ -156,24 +154,22 @@ def _unsigned_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(FLOAT_LAYOUTS[x.dtype].int_dtype)
 
 
+def _pack_arguments(outputs: tuple, first: int, n: int, count: int, layout) -> tuple:
+    """The arguments both packing kernels end with: the outputs from word ``first`` on, this
+    launch's entries and words, and the float layout's masks."""
+    positive, nonzero, zeros, bad = outputs
+    masks = ((1 << layout.bits) - 1, layout.abs_mask, layout.exp_mask)
+    return (positive[first:], nonzero[first:], zeros, bad, n, count, *masks)
+
+
 def pack(x: torch.Tensor, words: int):
     layout = FLOAT_LAYOUTS[x.dtype]
-    positive, nonzero, zeros, bad = _pack_outputs(words, x.device)
+    outputs = positive, nonzero, zeros, bad = _pack_outputs(words, x.device)
     bits = _unsigned_view(x).view(-1)
     for first, count in _chunks(data_words(x.numel())):  # words past the data keep their fill: all padding
         n = min(64 * count, x.numel() - 64 * first)
         _pack_kernel[(triton.cdiv(count, _WORDS_PER_PROGRAM),)](
-            bits[64 * first :],
-            positive[first:],
-            nonzero[first:],
-            zeros,
-            bad,
-            n,
-            count,
-            (1 << layout.bits) - 1,
-            layout.abs_mask,
-            layout.exp_mask,
-            WORDS=_WORDS_PER_PROGRAM,
+            bits[64 * first :], *_pack_arguments(outputs, first, n, count, layout), WORDS=_WORDS_PER_PROGRAM
         )
     # Padding bits are not zeros: the kernel counts only entries inside the data.
     return positive, nonzero, zeros[0], bad[0].bool()
@@ -195,7 +191,7 @@ def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: to
     if grad.dtype != buf.dtype and grad.element_size() >= buf.element_size():
         grad = grad.to(buf.dtype)  # a rounding cast, as lerp_'s caller makes; widening ones run in the kernel
     layout = FLOAT_LAYOUTS[buf.dtype]
-    positive, nonzero, zeros, bad = _pack_outputs(words, buf.device)
+    outputs = positive, nonzero, zeros, bad = _pack_outputs(words, buf.device)
     math_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32  # torch's lerp arithmetic
     weight_t = _weight_on(weight, math_dtype, buf.device)
     skip_flag = skip.reshape(1).to(torch.int8)
@@ -206,15 +202,7 @@ def momentum_pack(buf: torch.Tensor, grad: torch.Tensor, weight: float, skip: to
             grad.view(-1)[at:],
             skip_flag,
             weight_t,
-            positive[first:],
-            nonzero[first:],
-            zeros,
-            bad,
-            n,
-            count,
-            (1 << layout.bits) - 1,
-            layout.abs_mask,
-            layout.exp_mask,
+            *_pack_arguments(outputs, first, n, count, layout),
             INT_TYPE=_INT_TYPES[layout.bits],
             BF16=buf.dtype == torch.bfloat16,
             SMALL_WEIGHT=abs(float(torch.tensor(weight, dtype=math_dtype))) < 0.5,

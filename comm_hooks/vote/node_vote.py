@@ -294,10 +294,9 @@ class OwnedVoteWork(_RailStages):
         means = split_like(flat, grads)
         mine = [i for i in range(len(grads)) if self._owner[i] == layout.local_rank]
         voter = flatten([self._directions(i, means[i]) for i in mine]) if mine else flat[:0]
-        starts = [0]
-        for i in mine:
-            starts.append(starts[-1] + grads[i].numel())
-        segments = SignSegments(tuple(starts), tuple(self._keys[i] for i in mine)) if mine else None
+        segments = (
+            SignSegments.of_pieces([grads[i].numel() for i in mine], [self._keys[i] for i in mine]) if mine else None
+        )
         self._rail = VoteWork(
             voter,
             layout.rail_group,
