@@ -27,7 +27,7 @@ import torch
 
 from signmuon.comm_hooks.dist import NonFiniteError
 
-from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction, step_size
+from .functional import LR_SCALINGS, adamw_update, orthogonalize, polar_direction
 from .newton_schulz import MUON_COEFFICIENTS, NS_PRECISIONS
 from .params import state_dtype
 from .sign_vote import SignVoteOptimizer
@@ -127,22 +127,11 @@ class SignMuon(SignVoteOptimizer):
     ) -> None:
         self.ns_seconds = 0.0  # host seconds in Newton–Schulz, this rank (on a GPU: launch time only)
         defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            coupled_weight_decay=coupled_weight_decay,
-            ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
-            polar_after_vote=polar_after_vote,
-            lr_scaling=lr_scaling,
-            ns_dtype=ns_dtype,
-            non_matrix=non_matrix,
-            adamw_lr=adamw_lr,
-            adamw_betas=tuple(adamw_betas),
-            adamw_eps=adamw_eps,
-            use_muon=None,
-        )
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            coupled_weight_decay=coupled_weight_decay, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
+            polar_after_vote=polar_after_vote, lr_scaling=lr_scaling, ns_dtype=ns_dtype, non_matrix=non_matrix,
+            adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, use_muon=None,
+        )  # fmt: skip
         super().__init__(
             params,
             defaults,
@@ -204,18 +193,11 @@ class SignMuon(SignVoteOptimizer):
             return direction
         return self._newton_schulz(group, orthogonalize, direction)
 
-    def finishes(self, group: dict[str, Any], path: str) -> bool:
-        return path == "matrix" and bool(group["polar_after_vote"])
-
     def finish_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> torch.Tensor:
         """D from the voted signs S: S itself, or NS(S) rescaled to entry-RMS 1 (``polar_after_vote``)."""
         if not self.finishes(group, path):
             return voted
         return self._newton_schulz(group, polar_direction, voted)
-
-    def step_length(self, group: dict[str, Any], param: torch.Tensor, path: str) -> float:
-        """Matrices move by :func:`~signmuon.optim.functional.step_size`, the rest by ``lr``."""
-        return step_size(group["lr"], group["lr_scaling"], param) if path == "matrix" else group["lr"]
 
     def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, nonfinite: bool) -> None:
         """AdamW on the all-reduced mean gradient; a non-finite mean skips the parameter."""

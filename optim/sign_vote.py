@@ -30,7 +30,7 @@ from signmuon.comm_hooks.dist import nonfinite_flag
 
 from .checkpoint import keep_saved_dtypes
 from .exchanges import Exchange, HookExchange, InStepExchange
-from .functional import signum_direction
+from .functional import signum_direction, step_size
 from .newton_schulz import assign_owners, newton_schulz_cost
 from .params import local_tensor, refuse_sparse, refuse_sparse_gradients, state_dtype
 
@@ -204,25 +204,25 @@ class SignVoteOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Pre-vote half on this worker: :meth:`elementwise_direction`, then :meth:`whole_direction`.
-        A non-finite gradient leaves a non-finite direction (every rank then skips the vote);
-        where the direction is the gradient itself, the whole-tensor step is skipped too."""
+        """Pre-vote half on this worker: :meth:`elementwise_direction`, then :meth:`whole_direction`
+        (skipped where the direction is a non-finite gradient itself: every rank skips the vote)."""
         direction = self.elementwise_direction(param, grad)
         if self.route(param)[1] not in self.whole_paths or direction is grad and bool(nonfinite_flag(grad)):
             return direction
         return self.whole_direction(param, direction)
 
     def finishes(self, group: dict[str, Any], path: str) -> bool:
-        """Whether :meth:`finish_vote` changes the voted signs on ``path`` (it gets the whole tensor)."""
-        return False
+        """Whether :meth:`finish_vote` runs on ``path``: on whole tensors where ``polar_after_vote``."""
+        return path in self.whole_paths and bool(group.get("polar_after_vote"))
 
     def finish_vote(self, group: dict[str, Any], param: torch.Tensor, voted: torch.Tensor, path: str) -> torch.Tensor:
         """The update D from the voted signs (here the signs themselves)."""
         return voted
 
     def step_length(self, group: dict[str, Any], param: torch.Tensor, path: str) -> float:
-        """How far one unit of the update moves an entry."""
-        return group["lr"]
+        """How far a unit of the update moves an entry: ``lr``, on whole tensors as ``lr_scaling`` says."""
+        whole = path in self.whole_paths
+        return step_size(group["lr"], group.get("lr_scaling", "global"), param) if whole else group["lr"]
 
     def apply_mean(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, nonfinite: bool) -> None:
         """The update of a parameter whose mean gradient ``grad`` was all-reduced (no such path
