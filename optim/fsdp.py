@@ -10,9 +10,10 @@ Usage (torchrun, N nodes of L ranks)::
     register_fsdp_vote(model, opt, mesh)
 
 FSDP2's reduce-scatter gives each local rank its shard of the node's mean gradient in full
-precision; ``opt.step()`` advances the momentum on that shard (so optimizer state per rank is
-1/L of DDP's), and votes its signs with the ranks of the same local index on the other nodes,
-one bit per entry (:class:`~signmuon.comm_hooks.shard_vote.ShardVoter`). SignMuon's matrices
+precision; as each unit's reduce-scatter ends, during backward, its all-reduce hook advances the
+momentum on that shard (so optimizer state per rank is 1/L of DDP's) and votes its signs with the
+ranks of the same local index on the other nodes, one bit per entry
+(:class:`~signmuon.comm_hooks.shard_vote.ShardVoter`); ``opt.step()`` applies the vote. SignMuon's matrices
 are gathered for Newton–Schulz at an owner inside the node. Do not pass a two-dimensional
 (HSDP) mesh to ``fully_shard``: FSDP2 then all-reduces between nodes in full precision itself.
 
@@ -27,7 +28,7 @@ different number of nodes it cannot: :func:`check_checkpoint_layout`, called bef
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from signmuon.comm_hooks.vote import NodeLayout
 
 from .checkpoint import load_rank_state
 from .exchanges import Exchange, Exchanged
+from .fsdp_units import UnitVotes, fsdp_units
 from .params import local_tensor
 from .sign_vote import SignVoteOptimizer
 
@@ -84,13 +86,20 @@ def node_mesh(ranks_per_node: int | None = None, *, device_type: str | None = No
 class ShardedExchange(Exchange):
     """The exchange :func:`register_fsdp_vote` gives an optimizer: the mesh, the voter and each
     voted parameter's :class:`~signmuon.comm_hooks.shard_vote.ShardSpec`. ``finish_vote`` runs
-    on the whole voted tensor at its owner, inside the exchange."""
+    on the whole tensor at its owner, inside the exchange.
+
+    With ``units`` (the default of :func:`register_fsdp_vote`), each FSDP unit is voted as
+    backward reduces it; ``step()`` votes only what no unit voted (all of it without ``units``)."""
 
     mesh: DeviceMesh
     voter: ShardVoter
     specs: dict[torch.Tensor, ShardSpec]
-    settings_checked: bool = False
-    """Whether every rank's optimizer settings were compared (at the first step)."""
+    units: UnitVotes | None = None
+    """The vote during backward, unit by unit; None: in ``step()``."""
+    results: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    """Voted updates (or mean gradients) of the parameters voted since the last step."""
+    skipped: bool = False
+    """Whether a vote since the last step was skipped (a NaN or Inf): then ``step()`` skips all."""
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -99,19 +108,26 @@ class ShardedExchange(Exchange):
 
     finishes_vote = True
 
-    def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> Exchanged:
-        """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
-        its shard of each mean gradient); every parameter takes part, with or without a gradient."""
-        if not self.settings_checked:
-            check_same_settings(optimizer.settings(), optimizer.process_group, what=f"{name} settings")
-            self.settings_checked = True
+    def vote(
+        self,
+        optimizer: SignVoteOptimizer,
+        params: list[torch.Tensor],
+        name: str,
+        grads: list[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Vote ``params`` into :attr:`results` (voted ones: their shard of the update; averaged
+        ones: their shard of the mean gradient) from ``grads`` (default: their ``.grad``; None: no
+        gradient, as from a parameter that has none: every parameter takes part)."""
+        if grads is None:
+            grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
+        grad_of = dict(zip(params, grads))
         voted, averaged = optimizer.split_by_path(params)
         finish = None
         if any(optimizer.finishes(g, path) for g, _, path in voted):
             finish = lambda i, signs: optimizer.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
-        step = optimizer.steps_taken
+        step, skipped = optimizer.steps_taken, self.voter.stats.skipped
         signs = self.voter.vote(
-            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in voted],
+            [grad_of[p] for _, p, _ in voted],
             [self.specs[p] for _, p, _ in voted],
             lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
             lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
@@ -120,10 +136,32 @@ class ShardedExchange(Exchange):
             label=f"{name} step {step}",
         )
         means = self.voter.mean(
-            [None if p.grad is None else local_tensor(p.grad) for _, p, _ in averaged],
+            [grad_of[p] for _, p, _ in averaged],
             [tuple(local_tensor(p).shape) for _, p, _ in averaged],
         )
-        return Exchanged(voted, signs, averaged, means)
+        self.skipped |= self.voter.stats.skipped != skipped
+        self.results.update(zip([p for _, p, _ in voted + averaged], signs + means))
+
+    def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> Exchanged:
+        """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
+        its shard of each mean gradient). A skipped vote of any unit skips the whole step, as the
+        vote of the whole step would."""
+        if self.units is not None:
+            self.units.finish()
+        left = [p for p in params if p not in self.results]
+        if left:
+            self.vote(optimizer, left, name)
+        voted, averaged = optimizer.split_by_path(params)
+        signs = [self.results[p] for _, p, _ in voted]
+        if self.skipped:
+            signs = [torch.zeros_like(s) for s in signs]
+        return Exchanged(voted, signs, averaged, [self.results[p] for _, p, _ in averaged])
+
+    def stepped(self) -> None:
+        self.results.clear()
+        self.skipped = False
+        if self.units is not None:
+            self.units.stepped()
 
     def state_dict(self, optimizer: SignVoteOptimizer, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` as DCP needs it: each node's momentum as a DTensor of shape (N, *shape), the
@@ -228,16 +266,26 @@ def _check_param(name: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
         )
 
 
-def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mesh: DeviceMesh) -> ShardedExchange:
+def register_fsdp_vote(
+    model: torch.nn.Module, optimizer: SignVoteOptimizer, mesh: DeviceMesh, *, during_backward: bool = True
+) -> ShardedExchange:
     """Make ``optimizer`` (SignMuon, SignumMV, SignSGDMV) vote between nodes the gradient shards
     FSDP2 leaves inside each node; returns what it registered (``optimizer.stats`` counts bytes).
 
     ``model`` is sharded with ``fully_shard(..., mesh=mesh["local"])`` (nested units per block
     as usual); ``mesh`` is the (node, local) mesh of :func:`node_mesh`. Every parameter of
     ``model`` that requires a gradient must be in ``optimizer`` and the other way round. Call
-    it on every rank, before the first step. Gradient accumulation: FSDP2's
-    ``model.set_requires_gradient_sync(False)`` on all but the last micro-batch (the vote runs in
-    ``step()``, once per step).
+    it on every rank, before the first step.
+
+    ``during_backward``: vote each unit in its all-reduce hook as backward reduces it, so the
+    traffic between nodes runs while backward computes the next units (it replaces any
+    all-reduce hook set before); ``step()`` applies what was voted. False: vote everything in
+    ``step()``. The results are the same bit for bit. Every node must then reduce the same
+    units in each backward (as FSDP2 already needs inside a node).
+
+    Gradient accumulation: FSDP2's ``model.set_requires_gradient_sync(False)`` on all but the
+    last micro-batch; the vote runs once per step, on the last. A second synchronised backward
+    before ``step()`` raises.
     """
     name = type(optimizer).__name__
     if not isinstance(optimizer, SignVoteOptimizer):
@@ -269,9 +317,13 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
     ranks_per_node = optimizer.vote_config.ranks_per_node
     if ranks_per_node is not None and ranks_per_node != per_node:
         raise ValueError(f"VoteConfig(ranks_per_node={ranks_per_node}) but the mesh has {per_node} ranks per node")
-    layout = NodeLayout(
-        dist.get_world_size(), dist.get_rank(), per_node, nodes, mesh["local"].get_group(), mesh["node"].get_group()
-    )
+    if not isinstance(during_backward, bool):
+        raise TypeError(f"during_backward must be True or False, not {during_backward!r}")
+    node_group = mesh["local"].get_group()
+    if during_backward:  # the worker thread's collectives must not interleave with FSDP2's on its group
+        groups = [dist.new_group(ranks) for ranks in mesh.mesh.tolist()]
+        node_group = groups[mesh.get_coordinate()[0]]
+    layout = NodeLayout(dist.get_world_size(), dist.get_rank(), per_node, nodes, node_group, mesh["node"].get_group())
     voted = [p for g in optimizer.param_groups for p in g["params"] if optimizer.votes(p)]
     specs = {}
     for key, p in enumerate(voted):
@@ -291,8 +343,25 @@ def register_fsdp_vote(model: torch.nn.Module, optimizer: SignVoteOptimizer, mes
         for key, value in list(state.items()):
             if isinstance(value, DTensor):
                 state[key] = value.to_local()
+    units = fsdp_units(model) if during_backward else []
+    placed = [p for _, params in units for p in params]
+    if during_backward and (len(placed) != len(set(placed)) or set(placed) != in_optimizer):
+        raise ValueError(
+            "every trainable parameter must belong to exactly one fully_shard-ed module for the vote during "
+            "backward (a parameter shared between units is not); pass during_backward=False"
+        )
+    check_same_settings(optimizer.settings(), optimizer.process_group, what=f"{name} settings")
     sharded = ShardedExchange(mesh, ShardVoter(layout, optimizer.vote_config, optimizer.stats), specs)
     optimizer.use_exchange(sharded)
+    if during_backward:
+        order = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        sharded.units = UnitVotes(
+            [sorted(params, key=order.__getitem__) for _, params in units],
+            per_node,
+            lambda params, grads: sharded.vote(optimizer, params, name, grads),
+            sharded.voter.device,
+        )
+        sharded.units.register([module for module, _ in units])
     return sharded
 
 

@@ -25,9 +25,9 @@ def _optimizer(kind, params, vote, **options):
     return SignMuon(params, lr=LR, momentum=BETA, polar_after_vote=kind == "signmuon_polar", vote=vote, **options)
 
 
-def _sharded_net(mesh, **fsdp_options):
+def _sharded_net(mesh, nested=True, **fsdp_options):
     net = tiny_net()
-    for layer in (net[0], net[2]):  # nested units, as per-block wrapping does
+    for layer in (net[0], net[2]) if nested else ():  # nested units, as per-block wrapping does
         fully_shard(layer, mesh=mesh["local"], **fsdp_options)
     fully_shard(net, mesh=mesh["local"], **fsdp_options)
     return net
@@ -143,32 +143,39 @@ def test_fsdp_vote_equals_the_node_level_reference_and_the_node_aware_ddp_path(w
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{fsdp} vs {unsharded}, step {step}")
 
 
-def _bytes_worker(rank, world_size, per_node, kind):
+def _bytes_worker(rank, world_size, per_node, kind, during_backward):
     mesh = node_mesh(per_node)
     net = _sharded_net(mesh)
     opt = _optimizer(kind, net.parameters(), VoteConfig())
-    register_fsdp_vote(net, opt, mesh)
+    sharded = register_fsdp_vote(net, opt, mesh, during_backward=during_backward)
     _train(net, opt, rank, steps=1)
-    sharded = opt.exchange
     local = rank % per_node
-    voted = 0
-    for p, spec in sharded.specs.items():
-        if spec.owner is None:
-            lo, hi = spec.rows(per_node, local)
-            voted += (hi - lo) * spec.row_numel
-        elif spec.owner == local:
-            voted += p.numel()
+
+    def entries(params):  # what this rank votes of ``params``: its rows, and whole matrices it owns
+        voted = 0
+        for p in params:
+            spec = sharded.specs[p]
+            if spec.owner is None:
+                lo, hi = spec.rows(per_node, local)
+                voted += (hi - lo) * spec.row_numel
+            elif spec.owner == local:
+                voted += p.numel()
+        return voted
+
+    calls = [u for u in sharded.units.units if u] if during_backward else [list(sharded.specs)]  # per unit, or one
     state = sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    return opt.stats.bytes_sent_between_nodes, voted, state
+    return opt.stats.bytes_sent_between_nodes, [entries(params) for params in calls], state
 
 
 @pytest.mark.parametrize("kind", ["signum_mv", "signmuon"])
-def test_between_node_bytes_follow_the_formula_and_state_is_one_shard(kind):
+@pytest.mark.parametrize("during_backward", [True, False])
+def test_between_node_bytes_follow_the_formula_and_state_is_one_shard(kind, during_backward):
     world_size, per_node = 4, 2
-    results = run_distributed(_bytes_worker, world_size, per_node, kind)
+    results = run_distributed(_bytes_worker, world_size, per_node, kind, during_backward)
     ddp_state = sum(p.numel() for p in tiny_net().parameters())  # one momentum per parameter
-    for between, voted, state in results:
-        assert between == vote_bytes_per_rank(voted, world_size // per_node, agree_sizes=False)
+    for between, calls, state in results:
+        assert len(calls) == (2 if during_backward else 1)  # tiny_net's two units with parameters (the root has none)
+        assert between == sum(vote_bytes_per_rank(voted, world_size // per_node, agree_sizes=False) for voted in calls)
         assert state <= ddp_state / per_node + 2 * 12  # the momentum of this rank's rows (uneven splits: a row more)
     assert sum(r[2] for r in results[:per_node]) == ddp_state  # the node holds each momentum entry once
 
@@ -205,21 +212,30 @@ def test_bf16_mixed_precision_and_gradient_accumulation(reduce_dtype, accumulate
         assert (a - b).abs().max() <= 2 * LR + 1e-6 and not torch.equal(a, b)
 
 
-def _nonfinite_worker(rank, world_size, action):
+def _nonfinite_worker(rank, world_size, action, during_backward):
     from signmuon.comm_hooks import NonFiniteError
 
     mesh = node_mesh(2)
     net = _sharded_net(mesh)
     opt = SignMuon(net.parameters(), lr=LR, vote=VoteConfig(nonfinite=action))
-    register_fsdp_vote(net, opt, mesh)
+    register_fsdp_vote(net, opt, mesh, during_backward=during_backward)
     _train(net, opt, rank, steps=1)
     before = _whole(net)
+    if rank == 3:  # one rank of node 1: a NaN in the gradient reaching the first unit only (the last voted)
+
+        def poison(grad):
+            grad = grad.clone()
+            grad[0, 0] = float("nan")
+            return grad
+
+        def on_forward(module, args, out):
+            out.register_hook(poison)
+
+        net[1].register_forward_hook(on_forward)
     x, y = batch(rank, 1)
     opt.zero_grad()
-    nn.functional.cross_entropy(net(x), y).backward()
-    if rank == 3:  # one rank of node 1, in one shard
-        next(iter(net.parameters())).grad.to_local()[0, 0] = float("nan")
     try:
+        nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         error = None
     except NonFiniteError as caught:
@@ -228,9 +244,11 @@ def _nonfinite_worker(rank, world_size, action):
 
 
 @pytest.mark.parametrize("action", ["skip", "raise"])
-def test_a_nonfinite_gradient_on_one_rank_skips_or_raises_on_every_rank(action):
-    results = run_distributed(_nonfinite_worker, 4, action)
+@pytest.mark.parametrize("during_backward", [True, False])
+def test_a_nonfinite_gradient_on_one_rank_skips_or_raises_on_every_rank(action, during_backward):
+    results = run_distributed(_nonfinite_worker, 4, action, during_backward)
     for before, after, skipped, error in results:
+        # The last unit was voted cleanly during backward; the step still moves nothing.
         assert all(torch.equal(a, b) for a, b in zip(before, after)), "no parameter moves"
         if action == "skip":
             assert skipped == 1 and error is None
@@ -266,6 +284,13 @@ def _refusal_worker(rank, world_size):
     )
     plain = tiny_net()
     errors["unsharded"] = capture(lambda: register_fsdp_vote(plain, SignumMV(plain.parameters(), lr=LR), mesh))
+    twice = _sharded_net(mesh)
+    opt = SignumMV(twice.parameters(), lr=LR)
+    errors["flag"] = capture(lambda: register_fsdp_vote(twice, opt, mesh, during_backward="yes"))
+    register_fsdp_vote(twice, opt, mesh)
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(twice(x), y).backward()
+    errors["second_backward"] = capture(lambda: nn.functional.cross_entropy(twice(x), y).backward())
     return errors
 
 
@@ -282,6 +307,11 @@ def test_refusals_name_what_to_do():
     assert "before register_fsdp_vote" in errors["late_group"]
     assert errors["groups_after_late"] == 2, "the refused group is not added"
     assert "already votes through ShardedExchange" in errors["hook_after_fsdp"]
+    assert "during_backward must be True or False" in errors["flag"]
+    assert (
+        "second backward" in errors["second_backward"]
+        and "set_requires_gradient_sync(False)" in errors["second_backward"]
+    )
 
 
 def _checkpoint_worker(rank, world_size, path, per_node, phase):
@@ -342,3 +372,72 @@ def test_dcp_resume_is_bit_identical_and_a_different_node_count_is_refused(tmp_p
     other = run_distributed(_checkpoint_worker, 4, path, 1, "load")  # 4 nodes of 1
     assert all(isinstance(e, str) for e in other), "every rank refuses"
     assert "2 node(s) x 2 rank(s)" in other[0] and "4 node(s) x 1 rank(s)" in other[0], other[0]
+
+
+def _modes_worker(rank, world_size, per_node):
+    """Each setting trained twice, voting unit by unit during backward and all in step()."""
+    mesh = node_mesh(per_node)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    settings = {
+        **{kind: ({}, {}, 1) for kind in KINDS},
+        "signmuon_fast": ({"vote": VoteConfig()}, {}, 1),
+        "signum_mv_fast": ({"vote": VoteConfig(), "kind": "signum_mv"}, {}, 1),
+        "signmuon_adamw": ({"non_matrix": "adamw", "vote": VoteConfig()}, {}, 1),
+        "signmuon_bf16_accumulate": ({"vote": VoteConfig()}, {"mp_policy": policy}, 3),
+        "signmuon_root_unit_only": ({}, {"nested": False}, 1),  # reduced in FSDP2's final callback
+        "signmuon_adamw_bf16_accumulate": ({"non_matrix": "adamw"}, {"mp_policy": policy}, 2),
+    }
+    out = {}
+    for name, (options, fsdp_options, micro_batches) in settings.items():
+        options = dict(options)
+        kind = options.pop("kind", name.split("_fast")[0] if name in KINDS or "fast" in name else "signmuon")
+        vote = options.pop("vote", VoteConfig(tie="exact"))
+        for during_backward in (True, False):
+            net = _sharded_net(mesh, **fsdp_options)
+            opt = _optimizer(kind, net.parameters(), vote, **options)
+            register_fsdp_vote(net, opt, mesh, during_backward=during_backward)
+            trajectory, in_backward, in_step, early = [], 0, 0, 0
+            for step in range(STEPS):
+                opt.zero_grad()
+                for m in range(micro_batches):
+                    net.set_requires_gradient_sync(m == micro_batches - 1)
+                    x, y = batch(rank, 10 * step + m)
+                    sent = opt.stats.bytes_sent_between_nodes
+                    nn.functional.cross_entropy(net(x), y).backward()
+                    if m < micro_batches - 1:
+                        early += opt.stats.bytes_sent_between_nodes - sent
+                    else:
+                        in_backward += opt.stats.bytes_sent_between_nodes - sent
+                sent = opt.stats.bytes_sent_between_nodes
+                opt.step()
+                in_step += opt.stats.bytes_sent_between_nodes - sent
+                trajectory.append(_whole(net))
+            momenta = [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+            out[name, during_backward] = trajectory, momenta, (early, in_backward, in_step)
+    return out
+
+
+def _close(a, b):
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# 2 x 2 and 3 x 2: the vote of each unit during backward is the vote of the whole step, bit for bit.
+@pytest.mark.parametrize("world_size, per_node", [(4, 2), (6, 2)])
+def test_the_vote_during_backward_equals_the_vote_in_step_bit_for_bit(world_size, per_node):
+    results = run_distributed(_modes_worker, world_size, per_node, timeout=600)
+    for out in results:
+        names = {name for name, _ in out}
+        for name in names:
+            (a_steps, a_momenta, a_bytes), (b_steps, b_momenta, b_bytes) = out[name, True], out[name, False]
+            # AdamW's mean gradient is an all-reduce on the rail: with 3 nodes its summation order
+            # follows the message size (a unit, or the whole step), so it agrees to rounding there.
+            same = torch.equal if "adamw" not in name or world_size // per_node == 2 else _close
+            for step, (a, b) in enumerate(zip(a_steps, b_steps)):
+                assert all(same(x, y) for x, y in zip(a, b)), f"{name}: step {step} differs"
+            assert all(same(x, y) for x, y in zip(a_momenta, b_momenta)), f"{name}: momenta differ"
+            assert not torch.equal(a_steps[0][0], a_steps[-1][0]), name
+            # Nothing crosses nodes on micro-batches without sync; during backward everything crosses
+            # before step(), which sends nothing; in step mode the other way round.
+            assert a_bytes[0] == b_bytes[0] == 0, name
+            assert a_bytes[1] > 0 and a_bytes[2] == 0, (name, a_bytes)
+            assert b_bytes[1] == 0 and b_bytes[2] > 0, (name, b_bytes)
