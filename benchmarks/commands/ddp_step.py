@@ -35,6 +35,7 @@ from signmuon.benchmarks.runtime.launch import (
     run_distributed,
     run_torchrun,
     timed_calls,
+    torchrun_group,
     under_torchrun,
 )
 from signmuon.comm_hooks.dist import all_reduce, group_device, ring_bytes
@@ -66,16 +67,20 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             for _ in range(4)
         ]
         counter = [0]
+        hooked = hasattr(state, "stats")
+        in_backward = [0]  # bytes between nodes sent inside loss.backward()
 
         def step():
             x, y = batches[counter[0] % len(batches)]
             counter[0] += 1
             opt.zero_grad(set_to_none=True)
+            sent = state.stats.bytes_sent_between_nodes if hooked else 0
             nn.functional.cross_entropy(model(x), y).backward()
+            in_backward[0] += state.stats.bytes_sent_between_nodes - sent if hooked else 0
             opt.step()
 
         timed_calls(step, args.warmup, device)
-        hooked = hasattr(state, "stats")
+        in_backward[0] = 0
         sent_before = state.stats.bytes_sent if hooked else 0
         between_before = state.stats.bytes_sent_between_nodes if hooked else 0
         times = timed_calls(step, args.steps, device)
@@ -102,6 +107,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             nodes, per_node, node_group = setup.node_layout()
             row["nodes"] = f"{nodes}x{per_node}"
             row["between_nodes_bytes_per_rank"] = (state.stats.bytes_sent_between_nodes - between_before) / args.steps
+            # The share a backward pass can hide: bytes between nodes issued inside loss.backward().
+            sent_between = state.stats.bytes_sent_between_nodes - between_before
+            row["between_nodes_in_backward_share"] = in_backward[0] / sent_between if sent_between else 0.0
             # A node's ranks carry different shares (SignMuon's owners): the node's sums, every
             # call counted (what the veth counters see) and per timed step.
             between = state.stats.bytes_sent_between_nodes
@@ -131,7 +139,12 @@ def report(rows: list[dict], world_size: int) -> None:
             continue
         ratio = r["step_s"] / base if base else float("nan")
         rounds = "  rounds " + " ".join(f"{t * 1e3:.1f}" for t in r["step_s_rounds"]) if "step_s_rounds" in r else ""
-        between = f"  between nodes {r['between_nodes_bytes_per_rank'] / 1e6:.2f} MB" if "nodes" in r else ""
+        between = (
+            f"  between nodes {r['between_nodes_bytes_per_rank'] / 1e6:.2f} MB"
+            f" ({r['between_nodes_in_backward_share']:.0%} in backward)"
+            if "nodes" in r
+            else ""
+        )
         print(
             f"{r['method']:>19} {r['step_s'] * 1e3:>9.1f} {ratio:>8.2f} {r['bytes_per_rank'] / 1e6:>13.2f} "
             f"{r['bits_per_entry']:>11.2f} {r['state_bytes'] / 1e6:>14.2f}{between}{rounds}"
@@ -164,7 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     args = parse_methods(parser, argv)
     if under_torchrun():
-        rows = merge_rounds([run_torchrun(_worker, args, args.methods) for _ in range(args.rounds)])
+        with torchrun_group():  # one group for every round: making it again can hang the rendezvous
+            rows = merge_rounds([run_torchrun(_worker, args, args.methods) for _ in range(args.rounds)])
         if os.environ["RANK"] == "0":
             report(rows, int(os.environ["WORLD_SIZE"]))
             write_report("ddp-step", argv, {"rows": rows}, args.json)

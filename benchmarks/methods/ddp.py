@@ -105,9 +105,10 @@ def sign_muon(node_aware: bool = False) -> Callable[..., StepSetup]:
     return build
 
 
-def fsdp(optimizer: type | None) -> Callable[..., StepSetup]:
+def fsdp(optimizer: type | None, *, during_backward: bool = True) -> Callable[..., StepSetup]:
     """FSDP2 per block: over every rank with SGD with momentum (``optimizer`` None, the fp32
-    reduce-scatter), or inside each node with ``optimizer`` voting between nodes."""
+    reduce-scatter), or inside each node with ``optimizer`` voting between nodes (unit by unit
+    during backward, or in ``step()``)."""
 
     def build(args, device: torch.device) -> StepSetup:
         from torch.distributed.device_mesh import init_device_mesh
@@ -120,7 +121,7 @@ def fsdp(optimizer: type | None) -> Callable[..., StepSetup]:
         mesh = node_mesh(args.ranks_per_node, device_type=device.type)
         shard_blocks(net, mesh["local"])
         opt = optimizer(net.parameters(), lr=1e-3, vote=VoteConfig(zeros=args.vote_zeros))
-        exchange = register_fsdp_vote(net, opt, mesh)
+        exchange = register_fsdp_vote(net, opt, mesh, during_backward=during_backward)
         nodes, per_node = exchange.mesh_shape
         return StepSetup(
             net, opt, opt, shard_ranks=per_node, node_layout=lambda: (nodes, per_node, exchange.voter.layout.node_group)

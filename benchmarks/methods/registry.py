@@ -164,6 +164,13 @@ METHODS: dict[str, Method] = {
     ),
     "fsdp_signum_mv": Method("FSDP2 inside each node, Signum-MV voted between nodes", {_DDP: ddp.fsdp(SignumMV)}),
     "fsdp_signmuon": Method("FSDP2 inside each node, SignMuon voted between nodes", {_DDP: ddp.fsdp(SignMuon)}),
+    "fsdp_signum_mv_in_step": Method(
+        "fsdp_signum_mv voting in opt.step(), after backward (register_fsdp_vote(during_backward=False))",
+        {_DDP: ddp.fsdp(SignumMV, during_backward=False)},
+    ),
+    "fsdp_signmuon_in_step": Method(
+        "fsdp_signmuon voting in opt.step(), after backward", {_DDP: ddp.fsdp(SignMuon, during_backward=False)}
+    ),
     # optimizers on the fp32 all-reduce, and their compressed variants
     "adamw": Method("DDP + AdamW", {_TRAIN: training.allreduce(_adamw), _FSDP: training.sharded(_adamw)}),
     "sgd": Method(
