@@ -36,7 +36,7 @@ def test_no_generic_top_level_names():
     assert set(mapping) == {"signmuon.comm_hooks", "signmuon.optim", "signmuon.integrations", "signmuon.benchmarks"}
 
 
-@pytest.mark.parametrize("framework", ["lightning", "accelerate", "transformers", "deepspeed", "torchft"])
+@pytest.mark.parametrize("framework", ["lightning", "accelerate", "transformers", "deepspeed", "torchft", "torchtitan"])
 def test_each_integration_names_its_extra_when_the_framework_is_missing(framework):
     # sys.modules[name] = None makes `import name` fail as if the package were not installed.
     code = (
