@@ -523,12 +523,13 @@ def test_the_gpu_check_scripts_compile_and_their_imports_exist():
                         importlib.import_module(f"{node.module}.{alias.name}")
 
 
-def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsys):
+def test_a_small_validation_predicts_each_point_with_the_cost_model(capsys):
     # The cost model's check against emulated links, small: 2 ranks (one per core), base
-    # 10 Gbit/s, one slow rate. Each prediction is the base step plus the shaped link's wire
-    # time of the bytes the hook counted; the ring's 30 Mbit/s step is dominated by its wire.
+    # 10 Gbit/s, one slow rate. Each prediction is cost.predict() fed with the model's size,
+    # the compute from the unshaped fp32 run, the measured kernel throughput and the link.
+
     from signmuon.benchmarks.commands.plan import validate
-    from signmuon.benchmarks.cost.validation import wire_seconds
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
 
     rows = validate(
         rates=("30mbit",), base="10gbit", width=256, steps=3, layouts=((2, 1, ("allreduce", "signsgd_mv")),)
@@ -538,14 +539,18 @@ def test_a_small_validation_predicts_from_the_base_run_and_the_shaped_link(capsy
         ("2x1", 2, "allreduce", "30mbit"),
         ("2x1", 2, "signsgd_mv", "30mbit"),
     ]
-    for r in rows:
-        idle = r["base_s"]
-        wire = wire_seconds(r["bytes_crossing"], "30mbit", idle) - wire_seconds(r["bytes_crossing"], "10gbit", idle)
-        assert r["predicted_s"] == pytest.approx(r["base_s"] + wire)
-        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
     params = 512 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
-    assert ring["bytes_crossing"] == 4 * params  # a ring of 2 sends its whole gradient once
+    shapes = ((256, 512), (256, 256), (10, 256))
+    for r in rows:
+        workload = Workload(params, r["compute_s"], shapes, r["kernel_bytes_per_s"], r["ns_flops_per_s"])
+        model = predict(r["method"], Cluster(2, 1, 30e6, nics_per_node=1, intra_bps=10e9), workload)
+        assert r["predicted_s"] == pytest.approx(model["step_s"])
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+        assert r["compute_s"] > 0 and r["kernel_bytes_per_s"] > 0 and r["ns_flops_per_s"] > 0
+    assert ring["bytes_crossing"] == ring["measured_crossing"] == 4 * params  # a ring of 2 sends its gradient once
+    # The model's dense bit per entry; ReLU's exact zeros cost up to one more (its zero_bits, left at 0).
+    assert vote["bytes_crossing"] <= vote["measured_crossing"] <= 2.05 * vote["bytes_crossing"]
     assert vote["bytes_crossing"] < ring["bytes_crossing"] / 10
-    assert ring["measured_s"] > 0.6 * wire_seconds(ring["bytes_crossing"], "30mbit")  # the link did shape it
+    assert ring["measured_s"] > 0.6 * 8 * ring["bytes_crossing"] / 30e6  # the link did shape it
     assert vote["measured_s"] < ring["measured_s"] / 3
-    assert "points on 2 ranks within 20%" in capsys.readouterr().out
+    assert "points on 2 ranks within 20% of cost.predict()" in capsys.readouterr().out

@@ -61,7 +61,11 @@ def test_plan_cli_tables_projection_and_errors(tmp_path, capsys):
     params, matrices = plan.model_shapes("gpt-1.3b")
     assert 1.25e9 < params < 1.4e9 and len(matrices) == 4 * 24
     projection = plan.main(["--projection", "--plot", str(tmp_path / "p.png")])
-    assert len(projection) == 4 * 3 * 5 * 4 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    grid = [r for r in projection if "link_gbit" in r]
+    # 4 models x 3 links x 5 node counts x 4 DDP methods, and the sharded column: 2 models x 2 FSDP methods.
+    assert len(grid) == 4 * 3 * 5 * 4 + 2 * 3 * 5 * 2 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert len([r for r in projection if r.get("table") == "crossover"]) == 4 * 4
+    projection = grid
     # The baseline is the faster fp32 schedule: the two-level one wherever it wins, never slower than itself.
     two_level = [r for r in projection if r["method"] == "allreduce_node"]
     assert all(r["speedup"] <= 1 + 1e-12 for r in two_level) and any(r["speedup"] == 1.0 for r in two_level)
@@ -139,18 +143,6 @@ def test_validation_passes_combine_into_medians_per_point():
         main(["--model", "gpt-125m", "--repeats", "3"])  # without --validate
 
 
-def test_the_shaped_links_token_bucket_refills_only_while_the_link_is_idle():
-    from signmuon.benchmarks.cost.validation import wire_seconds
-
-    mb = 1e6
-    assert wire_seconds(3 * mb, "1gbit") == pytest.approx(8 * (3 * mb - 1.25 * mb) / 1e9)  # 10 ms of traffic held
-    assert wire_seconds(3 * mb, "1gbit", idle_s=0.004) == pytest.approx(8 * (3 * mb - 0.5 * mb) / 1e9)  # 4 ms refilled
-    assert wire_seconds(3 * mb, "1gbit", idle_s=1.0) == wire_seconds(3 * mb, "1gbit")  # never more than the bucket
-    assert wire_seconds(1e5, "30mbit") == pytest.approx(8 * (1e5 - 37_500) / 30e6)
-    assert wire_seconds(1e4, "30mbit") == 0.0  # inside the burst
-    assert wire_seconds(1e5, "10mbit") == pytest.approx(8 * (1e5 - 32 * 1024) / 10e6)  # at least 32 KiB
-
-
 def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
     # B buckets, backward T_b, collectives C one after another: the last ends
     # max(C - T_b(1 - 1/B), C/B) after backward. Hand-computed for both regimes.
@@ -223,3 +215,33 @@ def test_plan_cli_overlap_flags(capsys):
     for bad in (["--validate", "--no-overlap"], ["--projection", "--bucket-mb", "10"]):
         with pytest.raises(SystemExit):
             plan.main(bad)
+
+
+def test_fsdp_in_the_plan_hsdp_against_the_vote_with_and_without_overlap():
+    from signmuon.benchmarks.commands import plan
+    from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, predict
+    from signmuon.benchmarks.cost.projection import crossovers
+
+    params, matrices = plan.model_shapes("gpt-7b")
+    work = Workload(params, 0.8, matrices, 1e12, 2e14)
+    cluster = Cluster(8, 8, 25e9)
+    hsdp, two_level = predict("hsdp_allreduce", cluster, work), predict("allreduce_node", cluster, work)
+    assert hsdp["between_bytes_per_node"] == pytest.approx(two_level["between_bytes_per_node"])  # fp32 across
+    vote, in_step = predict("fsdp_signum_mv", cluster, work), predict("fsdp_signum_mv_in_step", cluster, work)
+    assert vote["between_bytes_per_node"] == pytest.approx(hsdp["between_bytes_per_node"] / 32)  # one bit of 32
+    assert vote["comm_s"] == pytest.approx(in_step["comm_s"])  # the same traffic...
+    assert vote["exposed_comm_s"] < in_step["exposed_comm_s"]  # ...of which backward hides a part
+    assert predict("fsdp_signmuon", cluster, work)["extra_s"] > vote["extra_s"]  # Newton–Schulz at the owners
+    rate = crossover("fsdp_signmuon", cluster, work, "hsdp_allreduce")
+    for bps, faster in ((rate * 0.9, True), (rate * 1.1, False)):
+        c = Cluster(8, 8, bps)
+        gap = predict("fsdp_signmuon", c, work)["step_s"] - predict("hsdp_allreduce", c, work)["step_s"]
+        assert (gap < 0) == faster
+    table = {(r["model"], r["method"]): r for r in crossovers()}
+    assert table["gpt-7b", "fsdp_signmuon"]["baseline"] == "hsdp_allreduce"
+    assert table["gpt-7b", "signmuon_node"]["baseline"] == "allreduce_node"
+    rows = {r["method"]: r for r in plan.main(["--model", "gpt-7b", "--nodes", "8", "--link", "25gbit"])}
+    assert rows["fsdp_signmuon"]["baseline"] == "hsdp_allreduce" and rows["signmuon_node"]["baseline"] == "allreduce"
+    assert rows["fsdp_signum_mv"]["speedup"] == pytest.approx(
+        rows["hsdp_allreduce"]["step_s"] / rows["fsdp_signum_mv"]["step_s"]
+    )

@@ -15,12 +15,13 @@ are printed with it; it is a projection, not a measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from signmuon.benchmarks.commands import load
 from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
 from signmuon.benchmarks.cost.projection import GPT_SIZES, model_shapes, projection
-from signmuon.benchmarks.cost.validation import median_rows, wire_seconds
+from signmuon.benchmarks.cost.validation import median_rows
 from signmuon.benchmarks.methods.registry import names_for
 from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser, positive_int
@@ -29,16 +30,22 @@ NAME = "plan"
 SUMMARY = "an α–β model: bytes and step time per method on a cluster, speed-up, crossover"
 
 
-__all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "validate"]
+__all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "measured_inputs", "validate"]
+
+
+def baseline(method: str) -> str:
+    """What ``method`` is compared with: HSDP's fp32 all-reduce for the FSDP2 methods, else DDP's."""
+    return "hsdp_allreduce" if method.startswith("fsdp_") else "allreduce"
 
 
 def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dict]:
-    base = predict("allreduce", cluster, workload)["step_s"]
     rows = []
     for method in methods:
         p = predict(method, cluster, workload)
-        cross = crossover(method, cluster, workload) if method != "allreduce" else None
-        rows.append({"method": method, **p, "speedup": base / p["step_s"], "crossover_bps": cross})
+        base = baseline(method)
+        cross = crossover(method, cluster, workload, base) if method not in ("allreduce", "hsdp_allreduce") else None
+        speedup = predict(base, cluster, workload)["step_s"] / p["step_s"]
+        rows.append({"method": method, **p, "baseline": base, "speedup": speedup, "crossover_bps": cross})
     return rows
 
 
@@ -55,7 +62,7 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
         cross = r["crossover_bps"]
         label = (
             "-"
-            if r["method"] == "allreduce"
+            if r["method"] in ("allreduce", "hsdp_allreduce")
             else "always"
             if cross == math.inf
             else "never"
@@ -67,6 +74,8 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
             f"{r['comm_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} "
             f"{r['speedup']:>8.2f}x {label:>12}"
         )
+    if any(r["baseline"] == "hsdp_allreduce" for r in rows):
+        print("fsdp_*: speed-up and crossover against hsdp_allreduce (FSDP2 inside nodes, fp32 between them)")
     if workload.overlap:
         print(
             f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
@@ -98,40 +107,71 @@ def validate(
     repeats: int = 1,
     layouts=VALIDATION_LAYOUTS,
 ) -> list[dict]:
-    """Predicted against measured step time under ``netem`` (root), per layout of ``layouts``.
+    """:func:`~signmuon.benchmarks.cost.model.predict` against step times measured under
+    ``netem`` (root), per layout of ``layouts``.
 
-    The model's inputs come from a run at ``base`` rate (compute, kernels and Newton–Schulz as
-    measured there, and each method's bytes leaving a node per step as its statistics count
-    them, zeros included); predicted(rate) = step(base) + wire(bytes, rate) − wire(bytes, base)
-    (:func:`wire_seconds`, its token bucket refilled for the base step's duration). With
-    ``repeats``, whole passes run one after another (the rates interleaved) and each point is
-    the median of its passes (:func:`median_rows`). Each world size is counted on its own: with more ranks than cores, the base run's compute is slowed by
-    the ranks' sharing of cores, which a slow link partly undoes (ranks that wait on the link
-    leave the cores to the others), so the model over-predicts there."""
+    The model gets what a user would give it: the model's size and matrix shapes (``ddp-step``'s
+    MLP), the compute time from one unshaped run (the fp32 all-reduce's step at ``base``, less the
+    model's own communication time there), the vote's kernel and Newton–Schulz throughput
+    measured on this CPU, and the link (one shaped NIC per node; loopback inside a node taken at
+    ``base``). Bytes, latency, overlap and kernel terms are the model's own: nothing else is
+    taken from the shaped runs. With ``repeats``, whole passes run one after another and each
+    point is the median of its passes (:func:`median_rows`). Each world size is counted on its
+    own: with more ranks than cores the ranks share the cores, which the model does not know."""
     rows = median_rows([_validation_pass(rates, base, width, steps, layouts) for _ in range(repeats)])
     print(
-        f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10}"
-        + ("  each pass" if repeats > 1 else "")
+        f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10} "
+        f"{'MB crossing (model/counted)':>28}" + ("  each pass" if repeats > 1 else "")
     )
     for r in rows:
         passes = "  " + " ".join(f"{x:.2f}" for x in r["pass_ratios"]) if repeats > 1 else ""
+        crossing = f"{r['bytes_crossing'] / 1e6:.3f}/{r['measured_crossing'] / 1e6:.3f}"
         print(
             f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
-            f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f}{passes}"
+            f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f} {crossing:>28}{passes}"
         )
     for world_size in sorted({r["world_size"] for r in rows}, reverse=True):
         mine = [r for r in rows if r["world_size"] == world_size]
         within = sum(abs(r["ratio"] - 1) <= 0.2 for r in mine)
         print(
-            f"{within} of {len(mine)} points on {world_size} ranks within 20%"
+            f"{within} of {len(mine)} points on {world_size} ranks within 20% of cost.predict()"
             + (f" (medians of {repeats} passes)" if repeats > 1 else "")
         )
     return rows
 
 
+def measured_inputs(width: int, depth: int = 2) -> Workload:
+    """The model's inputs for ``ddp-step``'s MLP measured on this CPU, one thread as a rank has
+    (compute left at 0): its size and matrices, the vote kernels' and Newton–Schulz's throughput."""
+    import torch
+
+    from signmuon.benchmarks.cost.kernels import measure
+    from signmuon.benchmarks.runtime.launch import median_seconds
+    from signmuon.benchmarks.workloads.models import mlp
+
+    net = mlp(width, depth)
+    params = sum(p.numel() for p in net.parameters())
+    matrices = tuple(tuple(p.shape) for p in net.parameters() if p.dim() == 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels = measure(params, 2, torch.device("cpu"))
+        a, b = torch.randn(width, width), torch.randn(width, width)
+        matmul = median_seconds(lambda: a @ b, 5, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    return Workload(
+        params,
+        0.0,
+        matrices,
+        kernel_bytes_per_s=4 * params / kernels["pipeline"],
+        ns_flops_per_s=2 * width**3 / matmul,
+    )
+
+
 def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[dict]:
     netem = load("netem")  # a command: validation runs ddp-step across shaped links
-
+    inputs = measured_inputs(width)
     rows = []
     for world_size, per_node, methods in layouts:
         measured = {}
@@ -160,29 +200,33 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                 + (["--ranks-per-node", str(per_node)] if per_node > 1 else [])
             )
             measured[rate] = {r["method"]: r for r in report["rows"]}
+
+        def cluster(rate: str, nodes: int = world_size // per_node) -> Cluster:
+            return Cluster(nodes, per_node, parse_rate(rate), nics_per_node=1, intra_bps=parse_rate(base))
+
+        # The compute time from the unshaped run: the fp32 all-reduce's step less its modelled communication.
+        compute = measured[base]["allreduce"]["step_s"] - predict("allreduce", cluster(base), inputs)["step_s"]
+        workload = dataclasses.replace(inputs, compute_s=max(compute, 0.0))
         for method in methods:
-            reference = measured[base][method]
-            if method.endswith("_node"):
-                crossing = reference["between_nodes_bytes_per_node"]
-            else:  # one rank per node: all it sends leaves; a flat gloo ring on 2 x 2: one rank of a node crosses
-                crossing = reference["bytes_per_rank"]
+            got = measured[base][method]
+            counted = got["between_nodes_bytes_per_node"] if method.endswith("_node") else got["bytes_per_rank"]
             for rate in rates:
-                idle = reference["step_s"]  # the base step: compute, kernels and a fast link's short wire time
-                predicted = (
-                    reference["step_s"] + wire_seconds(crossing, rate, idle) - wire_seconds(crossing, base, idle)
-                )
-                got = measured[rate][method]["step_s"]
+                model = predict(method, cluster(rate), workload)
+                step = measured[rate][method]["step_s"]
                 rows.append(
                     {
                         "layout": f"{world_size // per_node}x{per_node}",
                         "world_size": world_size,
                         "method": method,
                         "rate": rate,
-                        "bytes_crossing": crossing,
-                        "base_s": reference["step_s"],
-                        "predicted_s": predicted,
-                        "measured_s": got,
-                        "ratio": predicted / got,
+                        "bytes_crossing": model["between_bytes_per_node"],
+                        "measured_crossing": counted,
+                        "compute_s": workload.compute_s,
+                        "kernel_bytes_per_s": workload.kernel_bytes_per_s,
+                        "ns_flops_per_s": workload.ns_flops_per_s,
+                        "predicted_s": model["step_s"],
+                        "measured_s": step,
+                        "ratio": model["step_s"] / step,
                     }
                 )
     return rows

@@ -4,9 +4,11 @@ is a projection, not a measurement; its assumptions print with it."""
 
 from __future__ import annotations
 
-from signmuon.benchmarks.cost.model import Cluster, Workload, predict
+import math
 
-__all__ = ["ASSUMPTIONS", "GPT_SIZES", "PROJECTION", "model_shapes", "projection"]
+from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, predict
+
+__all__ = ["ASSUMPTIONS", "GPT_SIZES", "PROJECTION", "SHARDED_MODELS", "crossovers", "model_shapes", "projection"]
 
 
 # GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
@@ -44,6 +46,38 @@ def model_shapes(name: str) -> tuple[int, tuple[tuple[int, int], ...]]:
     return sum(r * c for r, c in matrices) + vocab * width, matrices
 
 
+SHARDED_MODELS = ("gpt-7b", "gpt-70b")
+"""The models of the sharded column: FSDP2 inside nodes (the vote between them against HSDP)."""
+CROSSOVER_METHODS = {  # method: the fp32 schedule it replaces
+    "signsgd_mv_node": "allreduce_node",
+    "signmuon_node": "allreduce_node",
+    "fsdp_signum_mv": "hsdp_allreduce",
+    "fsdp_signmuon": "hsdp_allreduce",
+}
+
+
+def _workload(name: str, overlap: bool) -> Workload:
+    params, matrices = model_shapes(name)
+    compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
+    return Workload(
+        params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12, overlap=overlap
+    )
+
+
+def crossovers(nodes: int = 8, overlap: bool = True) -> list[dict]:
+    """Per model and method of ``CROSSOVER_METHODS``: the link rate per GPU below which it is
+    faster than the fp32 schedule it replaces (two-level all-reduce for DDP, HSDP for FSDP2), on
+    ``nodes`` nodes of 8 GPUs (None: at no rate; inf: at every rate)."""
+    rows = []
+    for name in PROJECTION["models"]:
+        workload = _workload(name, overlap)
+        cluster = Cluster(nodes, PROJECTION["ranks_per_node"], 100e9)
+        for method, base in CROSSOVER_METHODS.items():
+            bps = crossover(method, cluster, workload, base)
+            rows.append({"model": name, "nodes": nodes, "method": method, "baseline": base, "crossover_bps": bps})
+    return rows
+
+
 OVERLAP_WORDS = {
     True: "backward (2/3 of the compute) hiding DDP's bucketed communication of 25 MB buckets (not the node-aware "
     "votes' blocking gather in the node, nor a round)",
@@ -55,11 +89,7 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
     """The projection table: every model, node count and link of :data:`PROJECTION`."""
     rows = []
     for name in PROJECTION["models"]:
-        params, matrices = model_shapes(name)
-        compute = 6 * params * PROJECTION["tokens_per_rank"] / (PROJECTION["tflops"] * 1e12)
-        workload = Workload(
-            params, compute, matrices, PROJECTION["kernel_gbps"] * 1e9, PROJECTION["ns_tflops"] * 1e12, overlap=overlap
-        )
+        workload = _workload(name, overlap)
         for gbit in PROJECTION["links_gbit"]:
             for nodes in PROJECTION["nodes"]:
                 cluster = Cluster(nodes, PROJECTION["ranks_per_node"], gbit * 1e9)
@@ -79,6 +109,21 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
                             "baseline_step_s": base,
                         }
                     )
+                if name in SHARDED_MODELS:  # the sharded column: FSDP2 inside nodes, against HSDP
+                    hsdp = predict("hsdp_allreduce", cluster, workload)["step_s"]
+                    for method in ("fsdp_signum_mv", "fsdp_signmuon"):
+                        step = predict(method, cluster, workload)["step_s"]
+                        rows.append(
+                            {
+                                "model": name,
+                                "link_gbit": gbit,
+                                "nodes": nodes,
+                                "method": method,
+                                "step_s": step,
+                                "speedup": hsdp / step,
+                                "baseline_step_s": hsdp,
+                            }
+                        )
     print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
     for method, label in (
         ("signsgd_mv_node", "signSGD-MV / Signum-MV"),
@@ -98,9 +143,43 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
                     if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method
                 ]
                 print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
+    for method, label in (("fsdp_signum_mv", "Signum-MV"), ("fsdp_signmuon", "SignMuon")):
+        print(
+            f"{'model':>9} {'link':>9} "
+            + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
+            + f"   (nodes; sharded: FSDP2 inside nodes, {label} voted between them during backward, step speed-up "
+            "over HSDP's fp32 all-reduce between nodes)"
+        )
+        for name in SHARDED_MODELS:
+            for gbit in PROJECTION["links_gbit"]:
+                cells = [
+                    r["speedup"]
+                    for r in rows
+                    if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method
+                ]
+                print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
+    table = crossovers(overlap=overlap)
+    print(
+        f"{'model':>9} "
+        + " ".join(f"{m:>16}" for m in CROSSOVER_METHODS)
+        + "   (8 nodes of 8 GPUs: the vote pays below this link rate per GPU; DDP against the two-level fp32 "
+        "all-reduce, FSDP2 against HSDP)"
+    )
+    for name in PROJECTION["models"]:
+        cells = [_rate(r["crossover_bps"]) for r in table if r["model"] == name]
+        print(f"{name:>9} " + " ".join(f"{c:>16}" for c in cells))
+    rows += [{**r, "table": "crossover"} for r in table]
     if plot:
         _plot(rows, plot)
     return rows
+
+
+def _rate(bps: float | None) -> str:
+    if bps is None:
+        return "never"
+    if bps == math.inf:
+        return "always"
+    return f"{bps / 1e9:.3g} Gbit/s"
 
 
 def _plot(rows: list[dict], path: str) -> None:
@@ -115,7 +194,7 @@ def _plot(rows: list[dict], path: str) -> None:
     for ax, gbit in zip(axes, PROJECTION["links_gbit"]):
         for color, name in enumerate(PROJECTION["models"]):
             for method, style, label in (("signsgd_mv_node", "-", "Signum-MV"), ("signmuon_node", "--", "SignMuon")):
-                cells = [r for r in rows if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method]
+                cells = [r for r in rows if r["model"] == name and r.get("link_gbit") == gbit and r["method"] == method]
                 ax.plot(
                     [r["nodes"] for r in cells],
                     [r["speedup"] for r in cells],

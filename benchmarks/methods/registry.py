@@ -82,7 +82,7 @@ METHODS: dict[str, Method] = {
     "allreduce_node": Method(
         "fp32 all-reduce in two levels: inside each node, then between nodes", {_PLAN: traffic.node_allreduce}
     ),
-    "fp16_allreduce": Method("torch's fp16 compression hook", {_DDP: ddp.fp16_allreduce}),
+    "fp16_allreduce": Method("torch's fp16 compression hook", {_DDP: ddp.fp16_allreduce, _PLAN: traffic.allreduce(2)}),
     "int8_sum_allreduce": Method(
         "int8 signs summed by an all-reduce (the SignMuon paper's vote)", {_BW: collective.int8_sum_allreduce}
     ),
@@ -116,6 +116,7 @@ METHODS: dict[str, Method] = {
     "signum_mv": Method(
         "Signum-MV: the vote of each worker's momentum signs",
         {
+            _PLAN: traffic.vote(),
             _DDP: ddp.sign_vote(0.9),
             _TRAIN: training.sign_vote(momentum=0.9, lr=1e-3),
             _FSDP: training.sharded(optimizer=SignumMV, lr=1e-3, momentum=0.9),
@@ -123,7 +124,11 @@ METHODS: dict[str, Method] = {
     ),
     "signum_mv_node": Method(
         "Signum-MV, node-aware",
-        {_DDP: ddp.sign_vote(0.9, node_aware=True), _TRAIN: training.sign_vote(momentum=0.9, lr=1e-3, node_aware=True)},
+        {
+            _DDP: ddp.sign_vote(0.9, node_aware=True),
+            _TRAIN: training.sign_vote(momentum=0.9, lr=1e-3, node_aware=True),
+            _PLAN: traffic.node_vote(),
+        },
     ),
     "signum_mv_optim": Method(
         "Signum-MV as the SignumMV optimizer with its own hook",
@@ -162,14 +167,27 @@ METHODS: dict[str, Method] = {
     "fsdp_reduce_scatter": Method(
         "FSDP2 over every rank, fp32 reduce-scatter, SGD with momentum", {_DDP: ddp.fsdp(None)}
     ),
-    "fsdp_signum_mv": Method("FSDP2 inside each node, Signum-MV voted between nodes", {_DDP: ddp.fsdp(SignumMV)}),
-    "fsdp_signmuon": Method("FSDP2 inside each node, SignMuon voted between nodes", {_DDP: ddp.fsdp(SignMuon)}),
+    "hsdp_allreduce": Method(
+        "FSDP2 inside each node, its shards all-reduced in fp32 between nodes (HSDP)", {_PLAN: traffic.hsdp}
+    ),
+    "fsdp_signum_mv": Method(
+        "FSDP2 inside each node, Signum-MV voted between nodes during backward",
+        {_DDP: ddp.fsdp(SignumMV), _PLAN: traffic.sharded_vote()},
+    ),
+    "fsdp_signmuon": Method(
+        "FSDP2 inside each node, SignMuon voted between nodes during backward",
+        {_DDP: ddp.fsdp(SignMuon), _PLAN: traffic.sharded_vote(newton_schulz=True)},
+    ),
     "fsdp_signum_mv_in_step": Method(
         "fsdp_signum_mv voting in opt.step(), after backward (register_fsdp_vote(during_backward=False))",
-        {_DDP: ddp.fsdp(SignumMV, during_backward=False)},
+        {_DDP: ddp.fsdp(SignumMV, during_backward=False), _PLAN: traffic.sharded_vote(during_backward=False)},
     ),
     "fsdp_signmuon_in_step": Method(
-        "fsdp_signmuon voting in opt.step(), after backward", {_DDP: ddp.fsdp(SignMuon, during_backward=False)}
+        "fsdp_signmuon voting in opt.step(), after backward",
+        {
+            _DDP: ddp.fsdp(SignMuon, during_backward=False),
+            _PLAN: traffic.sharded_vote(newton_schulz=True, during_backward=False),
+        },
     ),
     # optimizers on the fp32 all-reduce, and their compressed variants
     "adamw": Method("DDP + AdamW", {_TRAIN: training.allreduce(_adamw), _FSDP: training.sharded(_adamw)}),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["Traffic", "allreduce", "node_allreduce", "node_vote", "rounds", "vote"]
+__all__ = ["Traffic", "allreduce", "hsdp", "node_allreduce", "node_vote", "rounds", "sharded_vote", "vote"]
 
 
 class Traffic(NamedTuple):
@@ -112,5 +112,42 @@ def rounds(one_bit: bool = False) -> Callable[..., Traffic]:
         per_round = n * workload.round_bits / 8 if one_bit else 4 * n  # the node's rails, in all
         blocking = (2 * (N - 1) / N * per_round / H, (L - 1) / L * 4 * n / H, 2 * (N - 1) / H, (L - 1) / H)
         return Traffic(inside=_ring(4 * n, L), rounds_in=2 * (L - 1), blocking=blocking)
+
+    return traffic
+
+
+def _fsdp_inside(cluster, workload) -> float:
+    """FSDP2's own bytes per rank inside the node: the gradient's fp32 reduce-scatter and the
+    parameters' all-gathers in forward and backward (16-bit compute)."""
+    L, n = cluster.ranks_per_node, workload.params
+    return (L - 1) / L * (4 * n + 2 * 2 * n)
+
+
+def hsdp(cluster, workload) -> Traffic:
+    """FSDP2 inside each node, its shards' fp32 all-reduce between nodes on the rails (HSDP);
+    FSDP2 runs it per unit during backward."""
+    N, L, n = cluster.nodes, cluster.ranks_per_node, workload.params
+    return Traffic(_ring(4 * n, N), _fsdp_inside(cluster, workload), 2 * (N - 1), 3 * (L - 1))
+
+
+def sharded_vote(newton_schulz: bool = False, during_backward: bool = True) -> Callable[..., Traffic]:
+    """``register_fsdp_vote``: FSDP2 inside each node, each rank's shard voted on its rail, one
+    bit per entry; SignMuon sends each matrix's direction shards to its owner and the voted signs
+    back (one byte each), Newton–Schulz split over L. During backward the vote runs per unit like
+    DDP's buckets; in ``step()`` (``during_backward=False``) nothing of it is hidden."""
+
+    def traffic(cluster, workload) -> Traffic:
+        N, L, n = cluster.nodes, cluster.ranks_per_node, workload.params
+        between = 2 * (N - 1) / N * n * (1.0 + workload.zero_bits) / 8 if N > 1 else 0.0
+        owned = sum(r * c for r, c in workload.matrices) if newton_schulz else 0
+        inside = (L - 1) / L * (4 + 1) * owned  # directions to owners, signs back
+        extra_s = 4 * n / L / workload.kernel_bytes_per_s
+        if newton_schulz:
+            extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
+        vote = (between, inside, 2 * (N - 1), 2 * (L - 1) if owned else 0)
+        fsdp = Traffic(0.0, _fsdp_inside(cluster, workload), 0, 3 * (L - 1))
+        if during_backward:
+            return fsdp._replace(between=vote[0], inside=fsdp.inside + vote[1], rounds=vote[2], extra_s=extra_s)
+        return fsdp._replace(blocking=vote, extra_s=extra_s)
 
     return traffic
