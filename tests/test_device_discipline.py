@@ -179,6 +179,47 @@ def test_the_fsdp_voter_reads_twice_per_step(owner):
     assert reads == [2, 2, 2], (reads, world.reads)
 
 
+def test_the_fsdp_unit_vote_reads_the_host_on_its_worker_not_on_the_autograd_thread():
+    """FSDP2's hooks (run by backward) only queue a unit's vote; its two reads per call happen
+    on the worker thread, and the autograd engine's final callback joins it."""
+    import threading
+
+    from signmuon.optim.fsdp_units import UnitVotes
+
+    with gpu_world(4, rank=1) as world:
+        voter = ShardVoter(node_layout(None, 2), VoteConfig(), CommStats())
+        params = [nn.Parameter(torch.zeros(32, 16, device=world.device)) for _ in range(2)]
+        for p in params:
+            p.grad = torch.randn(32, 16, device=world.device)
+        specs = [ShardSpec((32, 16), key=0), ShardSpec((32, 16), key=1)]
+        release, threads = threading.Event(), []
+
+        def vote(unit, grads):
+            release.wait(timeout=60)
+            threads.append(threading.current_thread())
+            voter.vote([g[:16] for g in grads], specs, lambda i, g: g, lambda i, t: t, None, step=0, label="t")
+
+        units = UnitVotes([params], 2, vote, world.device)
+        x = torch.zeros((), device="cpu", requires_grad=True)
+
+        def backward_hooks(grad):  # what FSDP2 calls inside backward: the unit's buffer, then each gradient
+            units.reduced(0, 2 * 16 * 16)
+            for p in params:
+                units._accumulated(p)
+            return grad
+
+        x.register_hook(backward_hooks)
+        world.reads.reset()
+        worker = threading.Thread(target=lambda: (threading.Event().wait(0.5), release.set()))
+        worker.start()
+        (x * 2).backward()  # the final callback waits for the vote
+        worker.join()
+        assert threads and threads[0] is not threading.main_thread()
+        assert world.reads.total == 2, world.reads  # the vote's two, none from the hooks
+        assert units.running == [] and units.voted == {0}
+        assert not world.misplaced, world.misplaced
+
+
 def test_the_fsdp_vote_on_a_rank_without_shards_keeps_its_flags_on_the_device():
     """A rank that holds no shard of any tensor (rows that do not divide) still sends its flags
     on the group's device."""
