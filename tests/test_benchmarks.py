@@ -527,6 +527,7 @@ def test_a_small_validation_predicts_each_point_with_the_cost_model(capsys):
     # The cost model's check against emulated links, small: 2 ranks (one per core), base
     # 10 Gbit/s, one slow rate. Each prediction is cost.predict() fed with the model's size,
     # the compute from the unshaped fp32 run, the measured kernel throughput and the link.
+    import dataclasses
 
     from signmuon.benchmarks.commands.plan import validate
     from signmuon.benchmarks.cost.model import Cluster, Workload, predict
@@ -543,10 +544,12 @@ def test_a_small_validation_predicts_each_point_with_the_cost_model(capsys):
     shapes = ((256, 512), (256, 256), (10, 256))
     for r in rows:
         workload = Workload(params, r["compute_s"], shapes, r["kernel_bytes_per_s"], r["ns_flops_per_s"])
-        model = predict(r["method"], Cluster(2, 1, 30e6, nics_per_node=1, intra_bps=10e9), workload)
+        cluster = Cluster(2, 1, 30e6, nics_per_node=1, latency_s=r["latency_s"], intra_bps=10e9)
+        model = predict(r["method"], dataclasses.replace(cluster, intra_latency_s=r["latency_s"]), workload)
         assert r["predicted_s"] == pytest.approx(model["step_s"])
         assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
         assert r["compute_s"] > 0 and r["kernel_bytes_per_s"] > 0 and r["ns_flops_per_s"] > 0
+        assert 0 < r["latency_s"] < 0.01
     assert ring["bytes_crossing"] == ring["measured_crossing"] == 4 * params  # a ring of 2 sends its gradient once
     # The model's dense bit per entry; ReLU's exact zeros cost up to one more (its zero_bits, left at 0).
     assert vote["bytes_crossing"] <= vote["measured_crossing"] <= 2.05 * vote["bytes_crossing"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+import time
 
 from signmuon.benchmarks.commands import load
 from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
@@ -113,8 +115,8 @@ def validate(
     The model gets what a user would give it: the model's size and matrix shapes (``ddp-step``'s
     MLP), the compute time from one unshaped run (the fp32 all-reduce's step at ``base``, less the
     model's own communication time there), the vote's kernel and Newton–Schulz throughput
-    measured on this CPU, and the link (one shaped NIC per node; loopback inside a node taken at
-    ``base``). Bytes, latency, overlap and kernel terms are the model's own: nothing else is
+    measured on this CPU, and the link: its rate (one shaped NIC per node; loopback inside a node
+    taken at ``base``) and its latency (:func:`measured_latency`). Bytes, latency, overlap and kernel terms are the model's own: nothing else is
     taken from the shaped runs. With ``repeats``, whole passes run one after another and each
     point is the median of its passes (:func:`median_rows`). Each world size is counted on its
     own: with more ranks than cores the ranks share the cores, which the model does not know."""
@@ -169,9 +171,33 @@ def measured_inputs(width: int, depth: int = 2) -> Workload:
     )
 
 
+def _round_trip(rank: int, world_size: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(1)
+    for _ in range(20):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(100):
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measured_latency() -> float:
+    """α, seconds per message round: a one-entry gloo all-reduce of 2 local ranks (2 rounds)
+    halved, as a user takes a link's latency from a small-message test."""
+    from signmuon.benchmarks.runtime.launch import run_distributed
+
+    return max(run_distributed(_round_trip, 2)) / 2
+
+
 def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[dict]:
     netem = load("netem")  # a command: validation runs ddp-step across shaped links
     inputs = measured_inputs(width)
+    latency = measured_latency()
     rows = []
     for world_size, per_node, methods in layouts:
         measured = {}
@@ -202,7 +228,15 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
             measured[rate] = {r["method"]: r for r in report["rows"]}
 
         def cluster(rate: str, nodes: int = world_size // per_node) -> Cluster:
-            return Cluster(nodes, per_node, parse_rate(rate), nics_per_node=1, intra_bps=parse_rate(base))
+            return Cluster(
+                nodes,
+                per_node,
+                parse_rate(rate),
+                nics_per_node=1,
+                latency_s=latency,
+                intra_bps=parse_rate(base),
+                intra_latency_s=latency,
+            )
 
         # The compute time from the unshaped run: the fp32 all-reduce's step less its modelled communication.
         compute = measured[base]["allreduce"]["step_s"] - predict("allreduce", cluster(base), inputs)["step_s"]
@@ -224,6 +258,7 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                         "compute_s": workload.compute_s,
                         "kernel_bytes_per_s": workload.kernel_bytes_per_s,
                         "ns_flops_per_s": workload.ns_flops_per_s,
+                        "latency_s": latency,
                         "predicted_s": model["step_s"],
                         "measured_s": step,
                         "ratio": model["step_s"] / step,

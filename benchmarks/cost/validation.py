@@ -30,7 +30,14 @@ def median_rows(passes: list[list[dict]]) -> list[dict]:
             "ratio": predicted / measured,
             "pass_ratios": [q["predicted_s"] / q["measured_s"] for q in points],
         }
-        for inputs in ("bytes_crossing", "measured_crossing", "compute_s", "kernel_bytes_per_s", "ns_flops_per_s"):
+        for inputs in (
+            "bytes_crossing",
+            "measured_crossing",
+            "compute_s",
+            "kernel_bytes_per_s",
+            "ns_flops_per_s",
+            "latency_s",
+        ):
             if all(inputs in q for q in points):
                 row[inputs] = statistics.median(q[inputs] for q in points)
         rows.append(row)

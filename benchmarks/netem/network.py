@@ -78,7 +78,9 @@ class EmulatedNetwork:
         netem = _run(*qdisc, "netem", "rate", self.rate, *(["delay", self.delay] if self.delay else []), check=False)
         if netem.returncode == 0:
             return
-        burst = max(rate_bits(self.rate) // 8 // 100, 32 * 1024)  # 10 ms of traffic
+        # 1 ms of traffic, at least a 64 KiB GSO segment: a NIC's line rate, not a credit that lets
+        # a step's first megabyte through at once (10 ms of 1 Gbit/s would be 1.25 MB).
+        burst = max(rate_bits(self.rate) // 8 // 1000, 64 * 1024)
         _run(*qdisc, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
         if self.delay and not self.delay_dropped:
             print(
