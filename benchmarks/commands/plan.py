@@ -24,7 +24,7 @@ from signmuon.benchmarks.commands import load
 from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
 from signmuon.benchmarks.cost.projection import GPT_SIZES, model_shapes, projection
 from signmuon.benchmarks.cost.validation import median_rows
-from signmuon.benchmarks.methods.registry import names_for
+from signmuon.benchmarks.methods.registry import METHODS, names_for
 from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser, positive_int
 
@@ -35,17 +35,12 @@ SUMMARY = "an α–β model: bytes and step time per method on a cluster, speed-
 __all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "measured_inputs", "validate"]
 
 
-def baseline(method: str) -> str:
-    """What ``method`` is compared with: HSDP's fp32 all-reduce for the FSDP2 methods, else DDP's."""
-    return "hsdp_allreduce" if method.startswith("fsdp_") else "allreduce"
-
-
 def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dict]:
     rows = []
     for method in methods:
         p = predict(method, cluster, workload)
-        base = baseline(method)
-        cross = crossover(method, cluster, workload, base) if method not in ("allreduce", "hsdp_allreduce") else None
+        base = METHODS[method].plan_baseline
+        cross = crossover(method, cluster, workload, base) if method != base else None
         speedup = predict(base, cluster, workload)["step_s"] / p["step_s"]
         rows.append({"method": method, **p, "baseline": base, "speedup": speedup, "crossover_bps": cross})
     return rows
@@ -64,7 +59,7 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
         cross = r["crossover_bps"]
         label = (
             "-"
-            if r["method"] in ("allreduce", "hsdp_allreduce")
+            if r["method"] == r["baseline"]
             else "always"
             if cross == math.inf
             else "never"
@@ -76,8 +71,9 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
             f"{r['comm_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} "
             f"{r['speedup']:>8.2f}x {label:>12}"
         )
-    if any(r["baseline"] == "hsdp_allreduce" for r in rows):
-        print("fsdp_*: speed-up and crossover against hsdp_allreduce (FSDP2 inside nodes, fp32 between them)")
+    for base in sorted({r["baseline"] for r in rows} - {"allreduce"}):
+        compared = [r["method"] for r in rows if r["baseline"] == base and r["method"] != base]
+        print(f"{', '.join(compared)}: speed-up and crossover against {base} ({METHODS[base].summary})")
     if workload.overlap:
         print(
             f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "

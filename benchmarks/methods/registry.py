@@ -53,6 +53,8 @@ class Method:
     tuned_as: str | None = None
     """A swept method whose optimizer and default learning rate this one shares: ``train``
     takes that method's tuned factor (marked '~')."""
+    plan_baseline: str = "allreduce"
+    """The fp32 schedule ``plan`` compares it with (speed-up, crossover); itself for a baseline."""
 
     @property
     def commands(self) -> tuple[str, ...]:
@@ -168,19 +170,24 @@ METHODS: dict[str, Method] = {
         "FSDP2 over every rank, fp32 reduce-scatter, SGD with momentum", {_DDP: ddp.fsdp(None)}
     ),
     "hsdp_allreduce": Method(
-        "FSDP2 inside each node, its shards all-reduced in fp32 between nodes (HSDP)", {_PLAN: traffic.hsdp}
+        "FSDP2 inside each node, its shards all-reduced in fp32 between nodes (HSDP)",
+        {_PLAN: traffic.hsdp},
+        plan_baseline="hsdp_allreduce",
     ),
     "fsdp_signum_mv": Method(
         "FSDP2 inside each node, Signum-MV voted between nodes during backward",
         {_DDP: ddp.fsdp(SignumMV), _PLAN: traffic.sharded_vote()},
+        plan_baseline="hsdp_allreduce",
     ),
     "fsdp_signmuon": Method(
         "FSDP2 inside each node, SignMuon voted between nodes during backward",
         {_DDP: ddp.fsdp(SignMuon), _PLAN: traffic.sharded_vote(newton_schulz=True)},
+        plan_baseline="hsdp_allreduce",
     ),
     "fsdp_signum_mv_in_step": Method(
         "fsdp_signum_mv voting in opt.step(), after backward (register_fsdp_vote(during_backward=False))",
         {_DDP: ddp.fsdp(SignumMV, during_backward=False), _PLAN: traffic.sharded_vote(during_backward=False)},
+        plan_baseline="hsdp_allreduce",
     ),
     "fsdp_signmuon_in_step": Method(
         "fsdp_signmuon voting in opt.step(), after backward",
@@ -188,6 +195,7 @@ METHODS: dict[str, Method] = {
             _DDP: ddp.fsdp(SignMuon, during_backward=False),
             _PLAN: traffic.sharded_vote(newton_schulz=True, during_backward=False),
         },
+        plan_baseline="hsdp_allreduce",
     ),
     # optimizers on the fp32 all-reduce, and their compressed variants
     "adamw": Method("DDP + AdamW", {_TRAIN: training.allreduce(_adamw), _FSDP: training.sharded(_adamw)}),
