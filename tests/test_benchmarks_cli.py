@@ -227,19 +227,68 @@ def test_dppf_sweep_trains_local_sgd_and_each_pull_push(tmp_path):
     assert json.loads((tmp_path / "d.json").read_text())["summary"][0]["period"] == 8
 
 
-def test_demo_link_needs_a_rate():
+def test_demo_refuses_what_it_cannot_run(capsys):
     from signmuon.benchmarks.__main__ import main
 
-    with pytest.raises(SystemExit, match="--link needs a rate"):
-        main(["demo", "--link"])
+    for bad in (["--link"], ["--steps", "10"], ["--eval-every", "5"], ["--task", "cifar10"]):
+        with pytest.raises(SystemExit):
+            main(["demo", *bad])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --eval-every 5" in err and "at least 25" in err
 
 
 def test_demo_help_is_its_own(capsys):
     from signmuon.benchmarks.__main__ import main
 
-    main(["demo", "--help"])
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
     out = capsys.readouterr().out
-    assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--eval-every 25" in out
+    assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--task digits" in out
+
+
+def _runs(final_losses, times, crossed):
+    """Synthetic train results: each method's log reaches its final loss at its time."""
+    runs = {}
+    for (method, loss), seconds, sent in zip(final_losses.items(), times, crossed):
+        log = [
+            {"step": 25, "time_s": seconds / 2, "test_loss": 3.0, "bytes_between_nodes": sent / 2},
+            {"step": 50, "time_s": seconds, "test_loss": loss, "bytes_between_nodes": sent},
+        ]
+        runs[method] = {"log": log, "bytes_between_nodes_per_rank": sent}
+    return runs
+
+
+def test_the_demos_verdict_says_who_reached_the_baselines_loss_first():
+    from signmuon.benchmarks.commands.demo import summarize, verdict
+
+    runs = _runs({"adamw": 2.0, "signmuon_node": 1.9, "diloco_vote_ef_8": 2.1}, (30.0, 15.0, 10.0), (2e8, 4e6, 1e6))
+    rows = summarize(runs, {"adamw": 2.6e8, "signmuon_node": 7e6, "diloco_vote_ef_8": 2e6})
+    assert [r["seconds_to_target"] for r in rows] == [30.0, 15.0, None]  # DiLoCo ends above the target
+    assert rows[1]["bytes_between_nodes"] == 7e6  # the interfaces' count, not the statistics'
+    line = verdict(rows, "100mbit")
+    assert line.startswith("On a 100mbit link between 2 nodes, node-aware SignMuon reached DDP+AdamW's final loss")
+    assert "2.0x sooner (15 s against 30 s)" in line and "1/37 of its bytes" in line
+    slow = summarize(_runs({"adamw": 2.0, "signmuon_node": 1.9}, (10.0, 20.0), (2e8, 4e6)), None)
+    assert "2.0x later" in verdict(slow, "loopback") and slow[1]["bytes_between_nodes"] == 4e6
+    none = summarize(_runs({"adamw": 2.0, "signmuon_node": 2.2}, (10.0, 5.0), (2e8, 4e6)), None)
+    assert "no one-bit method reached DDP+AdamW's final loss (2.000)" in verdict(none, "loopback")
+
+
+def test_the_demo_on_a_shaped_link_and_on_loopback(tmp_path, capsys):
+    from signmuon.benchmarks.commands.demo import main
+
+    rows = main(["--steps", "50", "--plot", str(tmp_path / "shaped.png")])
+    out = capsys.readouterr().out
+    assert "[3/3] DiLoCo, one-bit rounds every 8 steps, 50 steps, 100mbit between the nodes" in out
+    assert "the interfaces' counters" in out and ("reached DDP+AdamW's final loss" in out)
+    by = {r["method"]: r for r in rows}
+    assert by["adamw"]["seconds_to_target"] is not None  # the baseline reaches its own final loss
+    assert by["signmuon_node"]["bytes_between_nodes"] < by["adamw"]["bytes_between_nodes"] / 10
+    assert (tmp_path / "shaped.png").read_bytes()[:4] == b"\x89PNG"
+    rows = main(["--loopback", "--steps", "25", "--plot", str(tmp_path / "loopback.png")])
+    out = capsys.readouterr().out
+    assert "links cannot be shaped here (--loopback)" in out and "a projection, not a measurement" in out
+    assert "On loopback (no slow link)" in out and (tmp_path / "loopback.png").exists()
 
 
 END_AFTER_GROUP = """

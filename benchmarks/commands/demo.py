@@ -1,71 +1,204 @@
-"""The README's main job: DDP+AdamW against the one-bit methods, side by side, with curves.
+"""The README's main job: what the library is for, measured on this machine.
 
-It is ``signmuon-bench train`` with the options in :data:`OPTIONS`; see ``--help``.
+A small GPT (charlm ``small``) on 4 ranks as 2 nodes of 2, the link between the nodes shaped
+with tc (``netem``; needs root and iproute2), trained 300 steps each by DDP+AdamW, node-aware
+SignMuon (one bit per entry between nodes, every step) and DiLoCo with one-bit rounds (every 8
+steps). It prints each method's final loss, its time to DDP+AdamW's final loss and the bytes
+that left each node (the interfaces' counters), a verdict in one line, and draws test loss
+against wall time and against those bytes. Where links cannot be shaped it says why, trains on
+loopback and adds a projection for slow links, labelled as one. ``--task digits`` is the fast
+demo of before (a minute, loopback).
+
+    signmuon-bench demo                   # 100 Mbit/s between the nodes
+    signmuon-bench demo --link 50mbit
+    signmuon-bench demo --task digits
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 from signmuon.benchmarks.commands import load
+from signmuon.benchmarks.reports.curves import time_to_target
+from signmuon.benchmarks.reports.train_report import print_projection
+from signmuon.benchmarks.runtime.cli import command_parser
 
 NAME = "demo"
-SUMMARY = "the README's main job: 4 local ranks on digits, methods side by side, curves"
+SUMMARY = "the main job: DDP+AdamW against node-aware SignMuon and one-bit DiLoCo rounds on a shaped link"
 
-OPTIONS = [
+METHODS = ("adamw", "signmuon_node", "diloco_vote_ef_8")
+"""The baseline first: its final loss is the others' target."""
+LABELS = {
+    "adamw": "DDP+AdamW",
+    "signmuon_node": "node-aware SignMuon",
+    "diloco_vote_ef_8": "DiLoCo, one-bit rounds every 8 steps",
+}
+RANKS, PER_NODE = 4, 2
+TRAIN = [
+    "--task",
+    "charlm",
     "--world-size",
-    "4",
-    "--steps",
-    "300",
+    str(RANKS),
+    "--ranks-per-node",
+    str(PER_NODE),
     "--eval-every",
     "25",
-    "--methods",
-    "adamw",
-    "signum_mv",
-    "signmuon",
-    "dppf_8",
-    "--plot",
-    "demo_curves.png",
+    # The rounds' outer step as tuned for one-bit rounds (benchmarks/results/2026-12-03-local-steps*).
+    "--outer-lr",
+    "1.0",
+    "--outer-momentum",
+    "0",
+    "--outer-scale-block",
+    "64",
 ]
-HELP = (
-    """usage: signmuon-bench demo [train options]
+DIGITS = ["--world-size", "4", "--steps", "300", "--eval-every", "25", "--methods", "adamw", "signum_mv", "signmuon"]
 
-The main job: trains on scikit-learn's digits on 4 local gloo ranks for 300 steps with DDP+AdamW,
-Signum-MV, SignMuon and DPPF (period 8), evaluating every 25 steps; prints accuracy, bytes sent
-per rank, communication rounds and step time per method, and writes test loss against step,
-bytes sent and wall time to demo_curves.png. It is `signmuon-bench train` with these options:
 
-    """
-    + " ".join(OPTIONS)
-    + """
+def shaping_unavailable() -> str | None:
+    """Why links cannot be shaped here (None: they can)."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (iproute2)"
+    if os.geteuid() != 0:
+        return "it needs root (network namespaces and tc)"
+    return None
 
-Any train option given after `demo` is added after them and wins (e.g. --steps 100);
-`signmuon-bench train --help` lists them. After the table it prints each method's projected time
-to the target at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s (measured compute and bytes; a projection).
 
-`--link RATE` (e.g. 100mbit) runs the same on real shaped links instead: each rank in its own
-network namespace with its link limited by tc (`signmuon-bench netem`; needs root and iproute2).
-Where that is not possible it says why and prints the projection."""
-)
+def summarize(runs: dict[str, dict], node_bytes: dict[str, float] | None) -> list[dict]:
+    """Per method: final test loss, seconds and steps to the baseline's final loss (None: not
+    reached), and bytes that left a node (``node_bytes``, the interfaces' count; else as the
+    method's statistics count them per rank)."""
+    target = runs[METHODS[0]]["log"][-1]["test_loss"]
+    rows = []
+    for method, run in runs.items():
+        hit = time_to_target(run["log"], target)
+        crossed = node_bytes[method] if node_bytes else run["bytes_between_nodes_per_rank"]
+        rows.append(
+            {
+                "method": method,
+                "final_loss": run["log"][-1]["test_loss"],
+                "target_loss": target,
+                "seconds_to_target": None if hit is None else hit[0],
+                "steps_to_target": None if hit is None else hit[1],
+                "bytes_between_nodes": crossed,
+            }
+        )
+    return rows
+
+
+def verdict(rows: list[dict], link: str) -> str:
+    """One line in plain words: did a one-bit method reach the baseline's loss first?"""
+    base, others = rows[0], rows[1:]
+    where = f"on a {link} link between 2 nodes" if link != "loopback" else "on loopback (no slow link)"
+    reached = [r for r in others if r["seconds_to_target"] is not None]
+    if not reached:
+        return (
+            f"{where.capitalize()}, no one-bit method reached {LABELS[base['method']]}'s final loss "
+            f"({base['target_loss']:.3f}) in this run."
+        )
+    best = min(reached, key=lambda r: r["seconds_to_target"])
+    ratio = base["seconds_to_target"] / best["seconds_to_target"]
+    share = base["bytes_between_nodes"] / max(best["bytes_between_nodes"], 1.0)
+    pace = f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
+    return (
+        f"{where.capitalize()}, {LABELS[best['method']]} reached {LABELS[base['method']]}'s final loss "
+        f"({base['target_loss']:.3f}) {pace} ({best['seconds_to_target']:.0f} s against "
+        f"{base['seconds_to_target']:.0f} s), sending 1/{share:.0f} of its bytes between nodes."
+    )
+
+
+def print_summary(rows: list[dict], counted_by: str) -> None:
+    print(f"{'method':>38} {'final loss':>11} {'s to target':>12} {'steps':>6} {'MB between nodes':>17}")
+    for r in rows:
+        seconds = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
+        steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        print(
+            f"{LABELS[r['method']]:>38} {r['final_loss']:>11.3f} {seconds:>12} {steps:>6} "
+            f"{r['bytes_between_nodes'] / 1e6:>17.2f}"
+        )
+    print(f"(target: {LABELS[rows[0]['method']]}'s final test loss; MB between nodes: {counted_by})")
+
+
+def plot(runs: dict[str, dict], node_bytes: dict[str, float] | None, path: str, title: str) -> None:
+    """Test loss against wall time and against bytes between nodes (each method's own count
+    along its run, scaled to the interfaces' total where there is one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    target = runs[METHODS[0]]["log"][-1]["test_loss"]
+    for method, run in runs.items():
+        log = run["log"]
+        counted = [e["bytes_between_nodes"] for e in log]
+        scale = node_bytes[method] / counted[-1] if node_bytes and counted[-1] else 1.0
+        losses = [e["test_loss"] for e in log]
+        by_time.plot([e["time_s"] for e in log], losses, marker=".", label=LABELS[method])
+        sent = [(c * scale / 1e6, loss) for c, loss in zip(counted, losses) if c > 0]  # a log axis
+        by_bytes.plot([x for x, _ in sent], [y for _, y in sent], marker=".", label=LABELS[method])
+    for ax in (by_time, by_bytes):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+        ax.grid(True, alpha=0.3)
+    by_bytes.set_xscale("log")
+    by_time.set_xlabel("wall time, s")
+    by_bytes.set_xlabel("MB between nodes" + (" (per node)" if node_bytes else " (per rank, as counted)"))
+    by_time.set_ylabel("test loss")
+    by_time.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {os.path.abspath(path)}")
+
+
+def _shaped(link: str, steps: int) -> tuple[dict[str, dict], dict[str, float]]:
+    """Each method in its own emulated cluster, so each node's counters are its own."""
+    netem = load("netem")
+    runs, node_bytes = {}, {}
+    for i, method in enumerate(METHODS, 1):
+        print(f"[{i}/{len(METHODS)}] {LABELS[method]}, {steps} steps, {link} between the nodes", flush=True)
+        report = netem.main(
+            ["--world-size", str(RANKS), "--ranks-per-node", str(PER_NODE), "--rate", link, "--delay", ""]
+            + ["--live", "--quiet", "--", "train", *TRAIN, "--steps", str(steps), "--methods", method]
+        )
+        runs[method] = report["train"]["runs"][0]
+        sent = report["tx_bytes_per_node"]
+        node_bytes[method] = sum(sent) / len(sent)
+    return runs, node_bytes
 
 
 def main(argv: list[str] | None = None):
-    rest = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in rest or "--help" in rest:
-        print(HELP)
-        return None
-    command, rest = "train", OPTIONS + rest
-    if "--link" in rest:
-        at = rest.index("--link")
-        if at + 1 >= len(rest):
-            sys.exit("signmuon-bench demo: --link needs a rate, e.g. --link 100mbit")
-        rate, rest = rest[at + 1], rest[:at] + rest[at + 2 :]
-        missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-        if os.geteuid() == 0 and not missing:
-            command, rest = "netem", ["--world-size", "4", "--rate", rate, "--delay", "", "--", "train", *rest]
-        else:
-            why = "it needs root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found (iproute2)"
-            print(f"demo --link {rate}: cannot shape links here ({why}); the table ends with the projection instead")
-    return load(command).main(rest)
+    parser = command_parser(NAME, __doc__)
+    parser.add_argument("--task", choices=["charlm", "digits"], default="charlm")
+    parser.add_argument(
+        "--link", default="100mbit", help="the rate between the nodes, tc's units (default: %(default)s)"
+    )
+    parser.add_argument("--loopback", action="store_true", help="do not shape: loopback, and the projection")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--plot", default="demo_curves.png", help="the picture (default: %(default)s)")
+    args, rest = parser.parse_known_args(argv)
+    if args.task == "digits":  # the fast demo: 4 local ranks on loopback, train's own table
+        return load("train").main(DIGITS + ["--plot", args.plot] + rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)} (train's options go to `signmuon-bench train`)")
+    if args.steps < 25:
+        parser.error(f"--steps {args.steps}: at least 25 (one evaluation)")
+    why = "--loopback" if args.loopback else shaping_unavailable()
+    if why is None:
+        runs, node_bytes = _shaped(args.link, args.steps)
+        link, counted_by = args.link, "bytes that left each node, the interfaces' counters (mean of the 2 nodes)"
+    else:
+        print(f"links cannot be shaped here ({why}): training on loopback, where sending fewer bytes saves nothing")
+        results = load("train").main(TRAIN + ["--steps", str(args.steps), "--methods", *METHODS, "--no-progress"])
+        runs, node_bytes = {r["method"]: r for r in results}, None
+        link, counted_by = "loopback", "per rank, as each method's statistics count them"
+    rows = summarize(runs, node_bytes)
+    print()
+    print_summary(rows, counted_by)
+    print(verdict(rows, link))
+    if node_bytes is None:
+        print_projection(list(runs.values()), rows[0]["target_loss"])
+    plot(runs, node_bytes, args.plot, f"charlm, {RANKS} ranks as 2 nodes x {PER_NODE}, {link} between the nodes")
+    return rows

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--plot", help="with train: test loss against wall time, one panel per rate (PNG)")
     parser.add_argument("--json", help="write the report of every rate here")
+    parser.add_argument("--live", action="store_true", help="rank 0's progress bar and errors as they come")
+    parser.add_argument("--quiet", action="store_true", help="not rank 0's output nor the counters (the report only)")
     args = parser.parse_args(argv[:split])
     inner = argv[split + 1 :]
     if not inner or inner[0] not in COMMANDS or inner[0] in ("netem", "demo"):
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot and inner[:1] != ["train"]:
         parser.error("--plot draws training curves: give it with '-- train ...'")
     reports = [_run_once(args, inner, rate) for rate in rates]
-    if inner[0] == "train":
+    if inner[0] == "train" and not args.quiet:
         print_time_to_target(reports)
         if args.plot:
             plot_rates(reports, args.plot)
@@ -87,17 +89,18 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         json_path = os.path.join(tmp, "rows.json")
         if inner[0] in ("bandwidth", "train") and "--json" not in inner:
-            inner = inner + ["--json", json_path, "--no-progress"]
+            inner = inner + ["--json", json_path] + ([] if args.live else ["--no-progress"])
         elif inner[0] == "ddp-step" and "--json" not in inner:
             inner = inner + ["--json", json_path]
         with EmulatedNetwork(args.world_size, rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
             before = net.tx_bytes()
-            results = net.run(inner, args.timeout)
+            results = net.run(inner, args.timeout, live=args.live)
             sent = [after - b for after, b in zip(net.tx_bytes(), before)]
         for rank, result in enumerate(results):
             if result.returncode:
                 raise RuntimeError(f"rank {rank} failed in its namespace:\n{result.stdout[-3000:]}")
-        print(results[0].stdout)
+        if not args.quiet:
+            print(results[0].stdout)
         delay = "" if net.delay_dropped else args.delay
         L = args.ranks_per_node
         unit = "node" if L > 1 else "rank"
@@ -130,8 +133,9 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
                     r["bytes_per_rank"] * warmup_iters for r in loaded["rows"] if "bytes_per_rank" in r
                 )
                 report["rows"] = loaded["rows"]
-        print(f"rate={rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
-        if f"algorithmic_bytes_per_{unit}" in report:
+        if not args.quiet:
+            print(f"rate={rate} delay={delay or '0'}: bytes really sent per {unit} (veth tx) {sent}")
+        if f"algorithmic_bytes_per_{unit}" in report and not args.quiet:
             print(
                 f"algorithmic bytes per {unit} of the measured calls: {report[f'algorithmic_bytes_per_{unit}']} "
                 "(plus barriers, timing all-reduces, rendezvous and TCP/IP headers)"

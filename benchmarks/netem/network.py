@@ -106,8 +106,9 @@ class EmulatedNetwork:
             for ns in self.namespaces
         ]
 
-    def run(self, command_args: list[str], timeout: float) -> list[subprocess.CompletedProcess]:
-        """Run ``signmuon-bench <command_args...>`` as rank i in namespace i."""
+    def run(self, command_args: list[str], timeout: float, live: bool = False) -> list[subprocess.CompletedProcess]:
+        """Run ``signmuon-bench <command_args...>`` as rank i in namespace i; ``live``: rank 0's
+        stderr (its progress bar, its errors) goes to this process's stderr as it comes."""
         port = str(random.randrange(20000, 60000))  # inside our own namespaces: nothing else listens
         procs = []
         L = self.ranks_per_node
@@ -127,9 +128,8 @@ class EmulatedNetwork:
                 SIGNMUON_NETEM_RATE=self.rate,
             )
             command = ["ip", "netns", "exec", ns, sys.executable, "-m", "signmuon.benchmarks", *command_args]
-            procs.append(
-                subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            )
+            stderr = None if live and rank == 0 else subprocess.STDOUT
+            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
         deadline = time.monotonic() + timeout
         results = []
         for proc in procs:
