@@ -96,22 +96,12 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
                 # The baseline a user has today: the faster fp32 schedule (a flat ring's 2(M-1) rounds
                 # cost more than its bytes on hundreds of nodes).
                 base = min(predict(m, cluster, workload)["step_s"] for m in ("allreduce", "allreduce_node"))
-                for method in ("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"):
-                    step = predict(method, cluster, workload)["step_s"]
-                    rows.append(
-                        {
-                            "model": name,
-                            "link_gbit": gbit,
-                            "nodes": nodes,
-                            "method": method,
-                            "step_s": step,
-                            "speedup": base / step,
-                            "baseline_step_s": base,
-                        }
-                    )
+                columns = [(("allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"), base)]
                 if name in SHARDED_MODELS:  # the sharded column: FSDP2 inside nodes, against HSDP
                     hsdp = predict("hsdp_allreduce", cluster, workload)["step_s"]
-                    for method in ("fsdp_signum_mv", "fsdp_signmuon"):
+                    columns.append((("fsdp_signum_mv", "fsdp_signmuon"), hsdp))
+                for methods, baseline in columns:
+                    for method in methods:
                         step = predict(method, cluster, workload)["step_s"]
                         rows.append(
                             {
@@ -120,37 +110,26 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
                                 "nodes": nodes,
                                 "method": method,
                                 "step_s": step,
-                                "speedup": hsdp / step,
-                                "baseline_step_s": hsdp,
+                                "speedup": baseline / step,
+                                "baseline_step_s": baseline,
                             }
                         )
     print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
-    for method, label in (
-        ("signsgd_mv_node", "signSGD-MV / Signum-MV"),
-        ("signmuon_node", "SignMuon"),
-        ("diloco_vote_node", "one-bit rounds every 32 steps, time per step only"),
-    ):
+    ddp, hsdp = (PROJECTION["models"], "the faster fp32 all-reduce"), (SHARDED_MODELS, "HSDP's fp32 between nodes")
+    grids = (
+        ("signsgd_mv_node", "signSGD-MV / Signum-MV, node-aware", *ddp),
+        ("signmuon_node", "SignMuon, node-aware", *ddp),
+        ("diloco_vote_node", "one-bit rounds every 32 steps, node-aware, time per step only", *ddp),
+        ("fsdp_signum_mv", "sharded: FSDP2 inside nodes, Signum-MV voted between them during backward", *hsdp),
+        ("fsdp_signmuon", "sharded: FSDP2 inside nodes, SignMuon voted between them during backward", *hsdp),
+    )
+    for method, label, models, over in grids:
         print(
             f"{'model':>9} {'link':>9} "
             + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
-            + f"   (nodes; {label}, node-aware, step speed-up over the faster fp32 all-reduce, ring or two-level)"
+            + f"   (nodes; {label}; step speed-up over {over})"
         )
-        for name in PROJECTION["models"]:
-            for gbit in PROJECTION["links_gbit"]:
-                cells = [
-                    r["speedup"]
-                    for r in rows
-                    if r["model"] == name and r["link_gbit"] == gbit and r["method"] == method
-                ]
-                print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>5.2f}x" for c in cells))
-    for method, label in (("fsdp_signum_mv", "Signum-MV"), ("fsdp_signmuon", "SignMuon")):
-        print(
-            f"{'model':>9} {'link':>9} "
-            + " ".join(f"{n:>6}" for n in PROJECTION["nodes"])
-            + f"   (nodes; sharded: FSDP2 inside nodes, {label} voted between them during backward, step speed-up "
-            "over HSDP's fp32 all-reduce between nodes)"
-        )
-        for name in SHARDED_MODELS:
+        for name in models:
             for gbit in PROJECTION["links_gbit"]:
                 cells = [
                     r["speedup"]
