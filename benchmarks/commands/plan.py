@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 
 from signmuon.benchmarks.commands import load
 from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
@@ -32,7 +30,7 @@ NAME = "plan"
 SUMMARY = "an α–β model: bytes and step time per method on a cluster, speed-up, crossover"
 
 
-__all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "measured_inputs", "validate"]
+__all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "validate"]
 
 
 def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dict]:
@@ -112,7 +110,7 @@ def validate(
     MLP), the compute time from one unshaped run (the fp32 all-reduce's step at ``base``, less the
     model's own communication time there), the vote's kernel and Newton–Schulz throughput
     measured on this CPU, and the link: its rate (one shaped NIC per node; loopback inside a node
-    taken at ``base``) and its latency (:func:`measured_latency`). Bytes, latency, overlap and kernel terms are the model's own: nothing else is
+    taken at ``base``) and its latency (:func:`~signmuon.benchmarks.cost.kernels.measure_latency`). Bytes, latency, overlap and kernel terms are the model's own: nothing else is
     taken from the shaped runs. With ``repeats``, whole passes run one after another and each
     point is the median of its passes (:func:`median_rows`). Each world size is counted on its
     own: with more ranks than cores the ranks share the cores, which the model does not know."""
@@ -138,63 +136,12 @@ def validate(
     return rows
 
 
-def measured_inputs(width: int, depth: int = 2) -> Workload:
-    """The model's inputs for ``ddp-step``'s MLP measured on this CPU, one thread as a rank has
-    (compute left at 0): its size and matrices, the vote kernels' and Newton–Schulz's throughput."""
-    import torch
-
-    from signmuon.benchmarks.cost.kernels import measure
-    from signmuon.benchmarks.runtime.launch import median_seconds
-    from signmuon.benchmarks.workloads.models import mlp
-
-    net = mlp(width, depth)
-    params = sum(p.numel() for p in net.parameters())
-    matrices = tuple(tuple(p.shape) for p in net.parameters() if p.dim() == 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        kernels = measure(params, 2, torch.device("cpu"))
-        a, b = torch.randn(width, width), torch.randn(width, width)
-        matmul = median_seconds(lambda: a @ b, 5, torch.device("cpu"))
-    finally:
-        torch.set_num_threads(threads)
-    return Workload(
-        params,
-        0.0,
-        matrices,
-        kernel_bytes_per_s=4 * params / kernels["pipeline"],
-        ns_flops_per_s=2 * width**3 / matmul,
-    )
-
-
-def _round_trip(rank: int, world_size: int) -> float:
-    import torch
-
-    from signmuon.comm_hooks.dist import all_reduce
-
-    x = torch.zeros(1)
-    for _ in range(20):
-        all_reduce(x, None)
-    times = []
-    for _ in range(100):
-        start = time.perf_counter()
-        all_reduce(x, None)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measured_latency() -> float:
-    """α, seconds per message round: a one-entry gloo all-reduce of 2 local ranks (2 rounds)
-    halved, as a user takes a link's latency from a small-message test."""
-    from signmuon.benchmarks.runtime.launch import run_distributed
-
-    return max(run_distributed(_round_trip, 2)) / 2
-
-
 def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[dict]:
     netem = load("netem")  # a command: validation runs ddp-step across shaped links
-    inputs = measured_inputs(width)
-    latency = measured_latency()
+    from signmuon.benchmarks.cost.kernels import measure_latency, measure_workload  # numba: only here
+
+    inputs = measure_workload(width)
+    latency = measure_latency()
     rows = []
     for world_size, per_node, methods in layouts:
         measured = {}

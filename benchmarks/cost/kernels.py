@@ -1,16 +1,22 @@
-"""The vote's kernels timed: the seconds of each stage against a memcpy (the cost model's kernel throughput)."""
+"""What the cost model is fed, measured here: the vote's kernels (the seconds of each stage
+against a memcpy), a workload's size and throughputs, and the latency of a message round."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
-from signmuon.benchmarks.runtime.launch import median_seconds
+from signmuon.benchmarks.cost.model import Workload
+from signmuon.benchmarks.runtime.launch import median_seconds, run_distributed
+from signmuon.benchmarks.workloads.models import mlp
 from signmuon.comm_hooks import SignSegments
-from signmuon.comm_hooks.dist import nonfinite_flag
+from signmuon.comm_hooks.dist import all_reduce, nonfinite_flag
 from signmuon.comm_hooks.kernels import kernels_for, warm_up
 from signmuon.comm_hooks.kernels.bits import advance_momentum_then_pack, words_for
 
-__all__ = ["measure"]
+__all__ = ["measure", "measure_latency", "measure_workload"]
 
 
 def measure(
@@ -49,3 +55,44 @@ def measure(
     }
     result["pipeline"] = result["pack"] + result["ties"] + result["vote"] + result["unpack"]
     return result
+
+
+def measure_workload(width: int, depth: int = 2) -> Workload:
+    """The model's inputs for ``ddp-step``'s MLP measured on this CPU, one thread as a rank has
+    (compute left at 0): its size and matrices, the vote kernels' and Newton–Schulz's throughput."""
+    net = mlp(width, depth)
+    params = sum(p.numel() for p in net.parameters())
+    matrices = tuple(tuple(p.shape) for p in net.parameters() if p.dim() == 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels = measure(params, 2, torch.device("cpu"))
+        a, b = torch.randn(width, width), torch.randn(width, width)
+        matmul = median_seconds(lambda: a @ b, 5, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    return Workload(
+        params,
+        0.0,
+        matrices,
+        kernel_bytes_per_s=4 * params / kernels["pipeline"],
+        ns_flops_per_s=2 * width**3 / matmul,
+    )
+
+
+def _round_trip(rank: int, world_size: int) -> float:
+    x = torch.zeros(1)
+    for _ in range(20):
+        all_reduce(x, None)
+    times = []
+    for _ in range(100):
+        start = time.perf_counter()
+        all_reduce(x, None)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_latency() -> float:
+    """α, seconds per message round: a one-entry gloo all-reduce of 2 local ranks (2 rounds)
+    halved, as a user takes a link's latency from a small-message test."""
+    return max(run_distributed(_round_trip, 2)) / 2
