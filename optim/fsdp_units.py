@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from signmuon.comm_hooks.shard_vote import ShardSpec
+
 from .params import local_tensor
 
 __all__ = ["UnitVotes", "fsdp_units"]
@@ -55,16 +57,6 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[FSDPModule, list[torch.Tens
     return units
 
 
-def padded_shard_numel(shape: tuple[int, ...], ranks_per_node: int) -> int:
-    """Entries of one rank's shard as FSDP2 lays it out in the reduce-scatter output (dimension 0
-    padded to a multiple of the ranks)."""
-    rows = shape[0] if shape else 1
-    row_numel = 1
-    for size in shape[1:]:
-        row_numel *= size
-    return -(-rows // ranks_per_node) * row_numel
-
-
 class UnitVotes:
     """What each unit's all-reduce hook and its parameters' post-accumulate-grad hooks share.
 
@@ -88,7 +80,9 @@ class UnitVotes:
         self.running: list[Future] = []
         self.stream = None  # the worker's CUDA stream, made on first use
         self.unit_of = {p: i for i, params in enumerate(units) for p in params}
-        self.numel = {p: padded_shard_numel(tuple(p.shape), ranks_per_node) for p in self.unit_of}
+        # One rank's shard in FSDP2's reduce-scatter output: dimension 0 padded to a multiple of the ranks.
+        specs = {p: ShardSpec(tuple(p.shape), key=0) for p in self.unit_of}
+        self.numel = {p: spec.rows_per_rank(ranks_per_node) * spec.row_numel for p, spec in specs.items()}
         self.open: int | None = None
         """The unit FSDP is reducing now; None between units."""
         self.expected = self.arrived = 0

@@ -147,7 +147,7 @@ def sharded_vote(newton_schulz: bool = False, during_backward: bool = True) -> C
         vote = (between, inside, 2 * (N - 1), 2 * (L - 1) if owned else 0)
         fsdp = Traffic(0.0, _fsdp_inside(cluster, workload), 0, 3 * (L - 1))
         if during_backward:
-            return fsdp._replace(between=vote[0], inside=fsdp.inside + vote[1], rounds=vote[2], extra_s=extra_s)
+            return Traffic(vote[0], fsdp.inside + vote[1], vote[2], fsdp.rounds_in + vote[3], extra_s=extra_s)
         return fsdp._replace(blocking=vote, extra_s=extra_s)
 
     return traffic
