@@ -245,3 +245,30 @@ def test_fsdp_in_the_plan_hsdp_against_the_vote_with_and_without_overlap():
     assert rows["fsdp_signum_mv"]["speedup"] == pytest.approx(
         rows["hsdp_allreduce"]["step_s"] / rows["fsdp_signum_mv"]["step_s"]
     )
+
+
+def test_plan_choice_predicts_every_method_a_user_could_pick(tmp_path):
+    import json
+
+    from signmuon.benchmarks.commands import plan
+    from signmuon.benchmarks.cost.projection import CHOICE, SHARDED_MODELS
+
+    rows = plan.main(["--choice", "--json", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["rows"] == rows
+    models = {r["model"] for r in rows}
+    for model in models:
+        methods = CHOICE["sharded" if model in SHARDED_MODELS else "replicated"]
+        for gbit in CHOICE["links_gbit"]:
+            at = [r for r in rows if r["model"] == model and r["link_gbit"] == gbit]
+            assert [r["method"] for r in at] == list(methods)
+    # Each row is the model's prediction, not a copy of another row: the fp32 step falls with the link.
+    fp32 = [r["step_s"] for r in rows if r["model"] == "gpt-1.3b" and r["method"] == "allreduce"]
+    assert fp32 == sorted(fp32, reverse=True) and fp32[0] > 2 * fp32[-1]
+    # The vote's step hardly depends on the link at 32 nodes; SignMuon's adds Newton–Schulz to it.
+    at = {(r["method"], r["link_gbit"]): r["step_s"] for r in rows if r["model"] == "gpt-125m"}
+    assert at[("signmuon_node", 10)] > at[("signsgd_mv_node", 10)]
+    assert at[("signsgd_mv_node", 10)] < 1.1 * at[("signsgd_mv_node", 400)]
+    assert all(r["nodes"] == CHOICE["nodes"] for r in rows)
+    for bad in (["--choice", "--projection"], ["--choice", "--plot", "x.png"], ["--choice", "--bucket-mb", "10"]):
+        with pytest.raises(SystemExit):
+            plan.main(bad)

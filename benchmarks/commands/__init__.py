@@ -27,6 +27,7 @@ COMMANDS = {
         "round_time",
         "ns_precision",
         "plan",
+        "report",
         "zero_structure",
         "lost_node",
     )

@@ -5,6 +5,7 @@ stops paying).
     signmuon-bench plan --model gpt-1.3b --nodes 16 --ranks-per-node 8 --link 100gbit
     signmuon-bench plan --params 14e6 --compute-ms 40 --nodes 2 --ranks-per-node 4 --link 1gbit --measure-kernels
     signmuon-bench plan --projection --plot projection.png     # published GPU-cluster figures
+    signmuon-bench plan --choice --json choice.json            # every method per model and link rate
     sudo signmuon-bench plan --validate --repeats 3 --uncrowded   # the model against netem runs here
 
 Compute time per step: ``--compute-ms``, or 6·n·tokens / throughput (``--tokens-per-rank``,
@@ -20,7 +21,7 @@ import math
 
 from signmuon.benchmarks.commands import load
 from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
-from signmuon.benchmarks.cost.projection import GPT_SIZES, model_shapes, projection
+from signmuon.benchmarks.cost.projection import GPT_SIZES, choice, model_shapes, projection
 from signmuon.benchmarks.cost.validation import median_rows
 from signmuon.benchmarks.methods.registry import METHODS, names_for
 from signmuon.benchmarks.reports.writer import write_report
@@ -256,6 +257,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--methods", nargs="+", default=list(names_for("plan")), choices=names_for("plan"))
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
     parser.add_argument("--plot", help="with --projection: write its plot (PNG)")
+    parser.add_argument(
+        "--choice", action="store_true", help="every method's step per model and link rate (docs: Choosing a method)"
+    )
     parser.add_argument("--validate", action="store_true", help="predicted vs measured under netem (root)")
     parser.add_argument("--repeats", type=positive_int, default=1, help="with --validate: passes, medians per point")
     parser.add_argument(
@@ -267,7 +271,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if (args.repeats != 1 or args.uncrowded) and not args.validate:
         parser.error("--repeats and --uncrowded apply to --validate")
-    if (args.projection or args.validate) and (args.period != 32 or args.round_bits != 1.0):
+    if sum((args.projection, args.validate, args.choice)) > 1:
+        parser.error("give one of --projection, --choice and --validate")
+    if args.plot and not args.projection:
+        parser.error("--plot draws the projection: give it with --projection")
+    if (args.projection or args.validate or args.choice) and (args.period != 32 or args.round_bits != 1.0):
         parser.error(
             "--period and --round-bits describe a cluster you plan (--model or --params); the projection "
             "and the validation use their own settings"
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "--no-overlap, --backward-share and --bucket-mb describe a model; the validation predicts "
             "from a measured step"
         )
-    if args.projection and overlap_inputs:
+    if (args.projection or args.choice) and overlap_inputs:
         parser.error("the projection uses its own backward share and buckets (--no-overlap applies)")
     if not 0 <= args.backward_share <= 1:
         parser.error(f"--backward-share {args.backward_share} must lie in [0, 1]")
@@ -289,6 +297,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--bucket-mb {args.bucket_mb} must be a positive size")
     if args.projection:
         rows = projection(args.plot, overlap=not args.no_overlap)
+    elif args.choice:
+        rows = choice(overlap=not args.no_overlap)
     elif args.validate:
         rows = validate(
             repeats=args.repeats, layouts=VALIDATION_LAYOUTS + (UNCROWDED_LAYOUTS if args.uncrowded else ())

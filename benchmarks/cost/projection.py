@@ -8,7 +8,18 @@ import math
 
 from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, predict
 
-__all__ = ["ASSUMPTIONS", "GPT_SIZES", "PROJECTION", "SHARDED_MODELS", "crossovers", "model_shapes", "projection"]
+__all__ = [
+    "ASSUMPTIONS",
+    "CHOICE",
+    "GPT_SIZES",
+    "PROJECTION",
+    "SHARDED_MODELS",
+    "choice",
+    "crossovers",
+    "model_shapes",
+    "plot_projection",
+    "projection",
+]
 
 
 # GPT-style models: (layers, width, vocabulary); 12·layers·width² + vocabulary·width parameters.
@@ -149,7 +160,42 @@ def projection(plot: str | None = None, overlap: bool = True) -> list[dict]:
         print(f"{name:>9} " + " ".join(f"{c:>16}" for c in cells))
     rows += [{**r, "table": "crossover"} for r in table]
     if plot:
-        _plot(rows, plot)
+        plot_projection(rows, plot)
+    return rows
+
+
+CHOICE = {
+    "nodes": 32,
+    "links_gbit": (10, 25, 50, 100, 200, 400),
+    "replicated": ("allreduce", "allreduce_node", "signsgd_mv_node", "signmuon_node", "diloco_vote_node"),
+    "sharded": ("hsdp_allreduce", "fsdp_signum_mv", "fsdp_signmuon"),
+}
+"""The grid of "Choosing a method": link rates per GPU against model size on one cluster size; a
+model of :data:`SHARDED_MODELS` is trained sharded (FSDP2 inside nodes), the others replicated."""
+
+
+def choice(overlap: bool = True) -> list[dict]:
+    """Predicted step time of every method a user could pick, per model and link rate of
+    :data:`CHOICE` (the rest of the projection's assumptions)."""
+    rows = []
+    for name in PROJECTION["models"]:
+        workload = _workload(name, overlap)
+        methods = CHOICE["sharded" if name in SHARDED_MODELS else "replicated"]
+        for gbit in CHOICE["links_gbit"]:
+            cluster = Cluster(CHOICE["nodes"], PROJECTION["ranks_per_node"], gbit * 1e9)
+            for method in methods:
+                step = predict(method, cluster, workload)["step_s"]
+                rows.append(
+                    {"model": name, "link_gbit": gbit, "nodes": CHOICE["nodes"], "method": method, "step_s": step}
+                )
+    print(ASSUMPTIONS.format(overlap=OVERLAP_WORDS[overlap]))
+    for group in ("replicated", "sharded"):
+        models = [m for m in PROJECTION["models"] if (m in SHARDED_MODELS) == (group == "sharded")]
+        print(f"{'model':>9} {'link':>9} " + " ".join(f"{m:>16}" for m in CHOICE[group]) + f"   (step ms; {group})")
+        for name in models:
+            for gbit in CHOICE["links_gbit"]:
+                cells = [r["step_s"] * 1e3 for r in rows if r["model"] == name and r["link_gbit"] == gbit]
+                print(f"{name:>9} {gbit:>5}Gbit " + " ".join(f"{c:>16.1f}" for c in cells))
     return rows
 
 
@@ -161,7 +207,8 @@ def _rate(bps: float | None) -> str:
     return f"{bps / 1e9:.3g} Gbit/s"
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def plot_projection(rows: list[dict], path: str) -> None:
+    """The node-aware votes' projected speed-up against nodes, a panel per link rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +236,8 @@ def _plot(rows: list[dict], path: str) -> None:
     axes[0].set_ylabel("step speed-up over the faster fp32 all-reduce")
     axes[0].legend(fontsize="small", ncol=2)
     fig.suptitle(
-        "Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model (assumptions in the README)"
+        "Node-aware Signum-MV (solid) and SignMuon (dashed), projected from an α–β model (assumptions: plan --projection)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
