@@ -259,7 +259,7 @@ def _runs(final_losses, times, crossed):
 
 
 def test_the_demos_verdict_says_who_reached_the_baselines_loss_first():
-    from signmuon.benchmarks.commands.demo import summarize, verdict
+    from signmuon.benchmarks.reports.demo import summarize, verdict
 
     runs = _runs({"adamw": 2.0, "signmuon_node": 1.9, "diloco_vote_ef_8": 2.1}, (30.0, 15.0, 10.0), (2e8, 4e6, 1e6))
     rows = summarize(runs, {"adamw": 2.6e8, "signmuon_node": 7e6, "diloco_vote_ef_8": 2e6})
@@ -276,9 +276,13 @@ def test_the_demos_verdict_says_who_reached_the_baselines_loss_first():
 
 def test_the_demo_on_a_shaped_link_and_on_loopback(tmp_path, capsys):
     from signmuon.benchmarks.commands.demo import main
+    from signmuon.benchmarks.reports.pages import regenerate
 
-    rows = main(["--steps", "50", "--plot", str(tmp_path / "shaped.png")])
+    rows = main(["--steps", "50", "--plot", str(tmp_path / "shaped.png"), "--json", str(tmp_path / "demo.json")])
     out = capsys.readouterr().out
+    # What the README shows is made from the JSON: the same lines as printed.
+    shown = regenerate(f"<!-- report demo {tmp_path / 'demo.json'} -->\n<!-- /report -->", "/")
+    assert shown.split("```\n")[1].rstrip("`\n") in out
     assert "[3/3] DiLoCo, one-bit rounds every 8 steps, 50 steps, 100mbit between the nodes" in out
     assert "the interfaces' counters" in out and ("reached DDP+AdamW's final loss" in out)
     by = {r["method"]: r for r in rows}

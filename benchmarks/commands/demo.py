@@ -20,20 +20,14 @@ import os
 import shutil
 
 from signmuon.benchmarks.commands import load
-from signmuon.benchmarks.reports.curves import time_to_target
+from signmuon.benchmarks.reports.demo import LABELS, METHODS, summarize, summary_text
 from signmuon.benchmarks.reports.train_report import print_projection
+from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser
 
 NAME = "demo"
 SUMMARY = "the main job: DDP+AdamW against node-aware SignMuon and one-bit DiLoCo rounds on a shaped link"
 
-METHODS = ("adamw", "signmuon_node", "diloco_vote_ef_8")
-"""The baseline first: its final loss is the others' target."""
-LABELS = {
-    "adamw": "DDP+AdamW",
-    "signmuon_node": "node-aware SignMuon",
-    "diloco_vote_ef_8": "DiLoCo, one-bit rounds every 8 steps",
-}
 RANKS, PER_NODE = 4, 2
 TRAIN = [
     "--task",
@@ -63,61 +57,6 @@ def shaping_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "it needs root (network namespaces and tc)"
     return None
-
-
-def summarize(runs: dict[str, dict], node_bytes: dict[str, float] | None) -> list[dict]:
-    """Per method: final test loss, seconds and steps to the baseline's final loss (None: not
-    reached), and bytes that left a node (``node_bytes``, the interfaces' count; else as the
-    method's statistics count them per rank)."""
-    target = runs[METHODS[0]]["log"][-1]["test_loss"]
-    rows = []
-    for method, run in runs.items():
-        hit = time_to_target(run["log"], target)
-        crossed = node_bytes[method] if node_bytes else run["bytes_between_nodes_per_rank"]
-        rows.append(
-            {
-                "method": method,
-                "final_loss": run["log"][-1]["test_loss"],
-                "target_loss": target,
-                "seconds_to_target": None if hit is None else hit[0],
-                "steps_to_target": None if hit is None else hit[1],
-                "bytes_between_nodes": crossed,
-            }
-        )
-    return rows
-
-
-def verdict(rows: list[dict], link: str) -> str:
-    """One line in plain words: did a one-bit method reach the baseline's loss first?"""
-    base, others = rows[0], rows[1:]
-    where = f"on a {link} link between 2 nodes" if link != "loopback" else "on loopback (no slow link)"
-    reached = [r for r in others if r["seconds_to_target"] is not None]
-    if not reached:
-        return (
-            f"{where.capitalize()}, no one-bit method reached {LABELS[base['method']]}'s final loss "
-            f"({base['target_loss']:.3f}) in this run."
-        )
-    best = min(reached, key=lambda r: r["seconds_to_target"])
-    ratio = base["seconds_to_target"] / best["seconds_to_target"]
-    share = base["bytes_between_nodes"] / max(best["bytes_between_nodes"], 1.0)
-    pace = f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
-    return (
-        f"{where.capitalize()}, {LABELS[best['method']]} reached {LABELS[base['method']]}'s final loss "
-        f"({base['target_loss']:.3f}) {pace} ({best['seconds_to_target']:.0f} s against "
-        f"{base['seconds_to_target']:.0f} s), sending 1/{share:.0f} of its bytes between nodes."
-    )
-
-
-def print_summary(rows: list[dict], counted_by: str) -> None:
-    print(f"{'method':>38} {'final loss':>11} {'s to target':>12} {'steps':>6} {'MB between nodes':>17}")
-    for r in rows:
-        seconds = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
-        steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
-        print(
-            f"{LABELS[r['method']]:>38} {r['final_loss']:>11.3f} {seconds:>12} {steps:>6} "
-            f"{r['bytes_between_nodes'] / 1e6:>17.2f}"
-        )
-    print(f"(target: {LABELS[rows[0]['method']]}'s final test loss; MB between nodes: {counted_by})")
 
 
 def plot(runs: dict[str, dict], node_bytes: dict[str, float] | None, path: str, title: str) -> None:
@@ -178,6 +117,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--loopback", action="store_true", help="do not shape: loopback, and the projection")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--plot", default="demo_curves.png", help="the picture (default: %(default)s)")
+    parser.add_argument("--json", help="write the summary and the runs to this file")
     args, rest = parser.parse_known_args(argv)
     if args.task == "digits":  # the fast demo: 4 local ranks on loopback, train's own table
         return load("train").main(DIGITS + ["--plot", args.plot] + rest)
@@ -196,9 +136,9 @@ def main(argv: list[str] | None = None):
         link, counted_by = "loopback", "per rank, as each method's statistics count them"
     rows = summarize(runs, node_bytes)
     print()
-    print_summary(rows, counted_by)
-    print(verdict(rows, link))
+    print(summary_text(rows, link, counted_by))
     if node_bytes is None:
         print_projection(list(runs.values()), rows[0]["target_loss"])
     plot(runs, node_bytes, args.plot, f"charlm, {RANKS} ranks as 2 nodes x {PER_NODE}, {link} between the nodes")
+    write_report(NAME, argv, {"link": link, "counted_by": counted_by, "rows": rows, "runs": runs}, args.json)
     return rows

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from signmuon.benchmarks.cost.projection import plot_projection
 from signmuon.benchmarks.methods.registry import METHODS
 from signmuon.benchmarks.reports.curves import time_to_target
+from signmuon.benchmarks.reports.demo import summary_text
 from signmuon.benchmarks.reports.rates import plot_rates
 from signmuon.benchmarks.reports.writer import read_report
 
@@ -305,7 +306,14 @@ def steps_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def demo_output(reports: list[dict]) -> str:
+    """What ``demo`` printed at the end of its run: its table and verdict, as a code block."""
+    report = reports[0]
+    return "```\n" + summary_text(report["rows"], report["link"], report["counted_by"]) + "\n```"
+
+
 TABLES: dict[str, Callable[..., str]] = {
+    "demo": demo_output,
     "time-to-target": time_to_target_table,
     "train": train_table,
     "step": step_table,
