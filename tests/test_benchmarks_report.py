@@ -69,6 +69,12 @@ def test_a_table_whose_json_changed_is_found(tmp_path):
 def test_an_unknown_table_or_missing_json_is_refused():
     with pytest.raises(ValueError, match="unknown report table 'nope'"):
         regenerate("<!-- report nope x.json -->\n<!-- /report -->", str(ROOT))
+    with pytest.raises(ValueError, match=r"no option basline \(its options: \['baseline', 'methods'\]\)"):
+        regenerate(
+            "<!-- report time-to-target benchmarks/results/2026-12-03-rates-charlm.json basline=adamw -->\n"
+            "<!-- /report -->",
+            str(ROOT),
+        )
     with pytest.raises(FileNotFoundError, match="missing.json"):
         regenerate("<!-- report train benchmarks/results/missing.json -->\n<!-- /report -->", str(ROOT))
 

@@ -18,6 +18,7 @@ are relative to the repository root; OUT paths to the page.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import statistics
@@ -88,15 +89,17 @@ def time_to_target_table(reports: list[dict], baseline: str = "adamw", methods: 
         cells = []
         for train in trains:
             s, base = train["summary"][method], train["summary"][baseline]["time_to_target"]
-            t = s["time_to_target"]
-            cells.append(f"{t[0] / base[0]:.2f}× ({s['reached']}/{s['seeds']})" if t and base else "never")
+            t, seeds = s["time_to_target"], f"({s['reached']}/{s['seeds']})"
+            cells.append(
+                "never" if not t else f"{t[0] / base[0]:.2f}× {seeds}" if base else f"{baseline} never {seeds}"
+            )
         lines.append(f"| {_label(method)} | {_pm(summary['final'])} | {megabytes:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def train_table(reports: list[dict]) -> str:
     """Training runs without a shaped link (one row per method and strategy): final test loss,
-    step time, MB between nodes per rank and optimizer state per rank."""
+    step time and MB between nodes per rank, each mean ± std over seeds (bytes: the mean)."""
     lines = ["| method | strategy | final test loss | step ms | MB between nodes / rank |", "|---|---|---|---|---|"]
     for train in _trains(reports):
         for method, summary in train["summary"].items():
@@ -398,6 +401,10 @@ def regenerate(text: str, root: str) -> str:
         kind, files, options = _parse(match["spec"])
         if kind not in TABLES:
             raise ValueError(f"unknown report table {kind!r} (known: {', '.join(TABLES)})")
+        known = list(inspect.signature(TABLES[kind]).parameters)[1:]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"report table {kind!r} has no option {', '.join(unknown)} (its options: {known})")
         table = TABLES[kind](_reports(files, root), **options)
         return f"<!-- report {match['spec']} -->\n{table}\n<!-- /report -->"
 
