@@ -151,7 +151,7 @@ def _blocks(language: str) -> list[str]:
 
 # name: (what identifies its block, nodes of 2 ranks, the prelude's additions, its extra results)
 CASES = {
-    "ddp_hook": ("dist.init_process_group(", 1, "", "lambda: {'sent': state.stats.bytes_sent}"),
+    "ddp_hook": ("dist.init_process_group(", 1, "", ""),
     "signmuon": ("muon_param_groups(net)", 1, "continued", ""),
     "node_aware": (
         "VoteConfig(hierarchical=True)",
@@ -169,7 +169,7 @@ CASES = {
     ),
     "lightning": ("SignDDPStrategy()", 1, LIGHTNING, ""),
     "accelerate": ("register_comm_hook(accelerator", 1, "", ""),
-    "hf_trainer": ("SignTrainer(", 1, HF, "lambda: {'type': type(trainer.optimizer).__name__}"),
+    "hf_trainer": ("SignTrainer(", 1, HF, ""),
 }
 STEPS = {"local_steps": 20, "hf_trainer": 6}
 
