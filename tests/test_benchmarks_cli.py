@@ -274,6 +274,31 @@ def test_the_demos_verdict_says_who_reached_the_baselines_loss_first():
     assert "no one-bit method reached DDP+AdamW's final loss (2.000)" in verdict(none, "loopback")
 
 
+def test_the_demos_projection_is_the_plans_model_fed_with_the_loopback_runs():
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
+    from signmuon.benchmarks.reports.demo import plan_projection, projection_text, summarize
+
+    runs = _runs({"adamw": 2.0, "signmuon_node": 1.9, "diloco_vote_ef_8": 2.1}, (3.0, 4.0, 2.0), (2e8, 4e6, 1e6))
+    for run, ms in zip(runs.values(), (40.0, 45.0, 30.0)):
+        run.update(world_size=4, step_ms=ms)
+    rows = summarize(runs, None)
+    inputs = Workload(2_000_000, 0.0, ((512, 512),) * 4, kernel_bytes_per_s=5e9, ns_flops_per_s=2e10)
+    at_loopback = plan_projection(runs, rows, inputs, 1e-4, "10gbit")
+    # The compute comes from the baseline's loopback step: projected to loopback's own rate, its step is that step.
+    assert at_loopback[0]["step_s"] == pytest.approx(0.040)
+    slow = plan_projection(runs, rows, inputs, 1e-4, "100mbit")
+    # AdamW's fp32 bytes between the nodes on 100 Mbit/s add to its step, less what backward hides.
+    wire = 8 * predict("allreduce", Cluster(2, 2, 100e6, 1, 1e-4, 10e9, 1e-4), inputs)["between_bytes_per_node"] / 100e6
+    assert wire > 0.1 and slow[0]["step_s"] >= 0.040 + wire - 2 / 3 * 0.040
+    assert slow[0]["seconds_to_target"] == pytest.approx(50 * slow[0]["step_s"])  # steps to target x step
+    assert (
+        slow[1]["seconds_to_target"] == pytest.approx(50 * slow[1]["step_s"]) and slow[2]["seconds_to_target"] is None
+    )
+    assert slow[1]["step_s"] < slow[0]["step_s"]  # 1 bit between nodes against fp32 on 100 Mbit/s
+    text = projection_text(slow, "100mbit")
+    assert "a projection, not a measurement" in text and "node-aware SignMuon would reach the target" in text
+
+
 def test_the_demo_on_a_shaped_link_and_on_loopback(tmp_path, capsys):
     from signmuon.benchmarks.commands.demo import main
     from signmuon.benchmarks.reports.pages import regenerate
@@ -292,6 +317,7 @@ def test_the_demo_on_a_shaped_link_and_on_loopback(tmp_path, capsys):
     rows = main(["--loopback", "--steps", "25", "--plot", str(tmp_path / "loopback.png")])
     out = capsys.readouterr().out
     assert "links cannot be shaped here (--loopback)" in out and "a projection, not a measurement" in out
+    assert "the plan's projection to a 100mbit link between the nodes" in out
     assert "On loopback (no slow link)" in out and (tmp_path / "loopback.png").exists()
 
 

@@ -6,7 +6,7 @@ SignMuon (one bit per entry between nodes, every step) and DiLoCo with one-bit r
 steps). It prints each method's final loss, its time to DDP+AdamW's final loss and the bytes
 that left each node (the interfaces' counters), a verdict in one line, and draws test loss
 against wall time and against those bytes. Where links cannot be shaped it says why, trains on
-loopback and adds a projection for slow links, labelled as one. ``--task digits`` is the fast
+loopback and adds the plan's projection of those runs to the link (cost.predict()), labelled as one. ``--task digits`` is the fast
 demo of before (a minute, loopback).
 
     signmuon-bench demo                   # 100 Mbit/s between the nodes
@@ -20,10 +20,10 @@ import os
 import shutil
 
 from signmuon.benchmarks.commands import load
-from signmuon.benchmarks.reports.demo import LABELS, METHODS, summarize, summary_text
-from signmuon.benchmarks.reports.train_report import print_projection
+from signmuon.benchmarks.reports.demo import LABELS, METHODS, plan_projection, projection_text, summarize, summary_text
 from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser
+from signmuon.benchmarks.workloads.tasks import CHARLM_SIZES, TinyGPT
 
 NAME = "demo"
 SUMMARY = "the main job: DDP+AdamW against node-aware SignMuon and one-bit DiLoCo rounds on a shaped link"
@@ -137,8 +137,14 @@ def main(argv: list[str] | None = None):
     rows = summarize(runs, node_bytes)
     print()
     print(summary_text(rows, link, counted_by))
+    projected = None
     if node_bytes is None:
-        print_projection(list(runs.values()), rows[0]["target_loss"])
+        from signmuon.benchmarks.cost.kernels import measure_latency, measure_model  # numba: only here
+
+        inputs = measure_model(TinyGPT(**CHARLM_SIZES["small"]))
+        projected = plan_projection(runs, rows, inputs, measure_latency(), args.link)
+        print(projection_text(projected, args.link))
     plot(runs, node_bytes, args.plot, f"charlm, {RANKS} ranks as 2 nodes x {PER_NODE}, {link} between the nodes")
-    write_report(NAME, argv, {"link": link, "counted_by": counted_by, "rows": rows, "runs": runs}, args.json)
+    fields = {"link": link, "counted_by": counted_by, "rows": rows, "projection": projected, "runs": runs}
+    write_report(NAME, argv, fields, args.json)
     return rows

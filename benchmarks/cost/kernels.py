@@ -16,7 +16,7 @@ from signmuon.comm_hooks.dist import all_reduce, nonfinite_flag
 from signmuon.comm_hooks.kernels import kernels_for, warm_up
 from signmuon.comm_hooks.kernels.bits import advance_momentum_then_pack, words_for
 
-__all__ = ["measure", "measure_latency", "measure_workload"]
+__all__ = ["measure", "measure_latency", "measure_model", "measure_workload"]
 
 
 def measure(
@@ -58,11 +58,18 @@ def measure(
 
 
 def measure_workload(width: int, depth: int = 2) -> Workload:
-    """The model's inputs for ``ddp-step``'s MLP measured on this CPU, one thread as a rank has
-    (compute left at 0): its size and matrices, the vote kernels' and Newton–Schulz's throughput."""
-    net = mlp(width, depth)
+    """The model's inputs for ``ddp-step``'s MLP measured on this CPU (:func:`measure_model`)."""
+    return measure_model(mlp(width, depth))
+
+
+def measure_model(net: torch.nn.Module) -> Workload:
+    """A model's size and hidden matrices (its 2-D weights other than embeddings), and the vote
+    kernels' and Newton–Schulz's throughput on this CPU, one thread as a rank has (compute left
+    at 0: the caller measures it)."""
     params = sum(p.numel() for p in net.parameters())
-    matrices = tuple(tuple(p.shape) for p in net.parameters() if p.dim() == 2)
+    embeddings = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Embedding)}
+    matrices = tuple(tuple(p.shape) for p in net.parameters() if p.dim() == 2 and id(p) not in embeddings)
+    width = max((min(shape) for shape in matrices), default=64)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

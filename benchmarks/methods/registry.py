@@ -37,6 +37,7 @@ __all__ = [
     "describe",
     "names_for",
     "parse_methods",
+    "plan_model",
 ]
 
 _BW, _DDP, _DS, _TRAIN, _FSDP, _PLAN = "bandwidth", "ddp-step", "deepspeed-step", "train", "train:fsdp", "plan"
@@ -55,6 +56,9 @@ class Method:
     takes that method's tuned factor (marked '~')."""
     plan_baseline: str = "allreduce"
     """The fp32 schedule ``plan`` compares it with (speed-up, crossover); itself for a baseline."""
+    plan_as: str | None = None
+    """A training method's traffic as ``plan`` models it (one of ``names_for("plan")``), for
+    projections of its runs to other links; None where the plan has no model of it."""
 
     @property
     def commands(self) -> tuple[str, ...]:
@@ -65,13 +69,16 @@ def _adamw(p, s):
     return torch.optim.AdamW(p, lr=2e-3 * s)
 
 
-def _rounds(summary: str, period: int, *, fsdp: bool = False, inner: str = "adamw", **options) -> Method:
+def _rounds(
+    summary: str, period: int, *, fsdp: bool = False, inner: str = "adamw", plan_as: str | None = None, **options
+) -> Method:
     """A rounds method of ``train`` (:func:`.local_steps.rounds`), its FSDP2 form where ``fsdp``;
-    its learning rate is the swept one of its inner optimizer (``inner``)."""
+    its learning rate is the swept one of its inner optimizer (``inner``); ``plan_as``: its
+    traffic in the plan (node-aware rounds every ``period`` steps)."""
     builders = {_TRAIN: local_steps.rounds(period, inner=getattr(local_steps, inner), **options)}
     if fsdp:
         builders[_FSDP] = local_steps.sharded_rounds(period, options.get("pseudo_gradient", "mean"))
-    return Method(summary, builders, tuned_as=inner)
+    return Method(summary, builders, tuned_as=inner, plan_as=plan_as)
 
 
 METHODS: dict[str, Method] = {
@@ -198,7 +205,9 @@ METHODS: dict[str, Method] = {
         plan_baseline="hsdp_allreduce",
     ),
     # optimizers on the fp32 all-reduce, and their compressed variants
-    "adamw": Method("DDP + AdamW", {_TRAIN: training.allreduce(_adamw), _FSDP: training.sharded(_adamw)}),
+    "adamw": Method(
+        "DDP + AdamW", {_TRAIN: training.allreduce(_adamw), _FSDP: training.sharded(_adamw)}, plan_as="allreduce"
+    ),
     "sgd": Method(
         "DDP + SGD with momentum",
         {_TRAIN: training.allreduce(lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9))},
@@ -241,7 +250,11 @@ METHODS: dict[str, Method] = {
         "DiLoCo every 32 steps, pseudo-gradient as a sign vote (one bit)", 32, pseudo_gradient="sign_vote"
     ),
     "diloco_vote_ef_8": _rounds(
-        "DiLoCo every 8 steps, sign vote with error feedback (one bit)", 8, pseudo_gradient="sign_vote_ef", fsdp=True
+        "DiLoCo every 8 steps, sign vote with error feedback (one bit)",
+        8,
+        pseudo_gradient="sign_vote_ef",
+        fsdp=True,
+        plan_as="diloco_vote_node",
     ),
     "diloco_vote_ef_32": _rounds(
         "DiLoCo every 32 steps, sign vote with error feedback (one bit)", 32, pseudo_gradient="sign_vote_ef"
@@ -300,6 +313,13 @@ RENAMED = {
 def names_for(command: str) -> tuple[str, ...]:
     """The methods ``command`` runs, in the registry's order."""
     return tuple(name for name, method in METHODS.items() if command in method.builders)
+
+
+def plan_model(name: str) -> str | None:
+    """The plan's model of method ``name``'s traffic: itself where ``plan`` runs it, else its
+    ``plan_as``; None where the plan has no model of it."""
+    method = METHODS[name]
+    return name if _PLAN in method.builders else method.plan_as
 
 
 def builder(name: str, command: str) -> Callable:

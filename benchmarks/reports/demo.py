@@ -1,12 +1,26 @@
 """What ``demo`` decides by and prints: per method the final loss, the time and steps to the
-baseline's final loss and the bytes between nodes, and a verdict in one line. Pure functions
-of the runs, so the README's copy of the output is made from the demo's JSON report."""
+baseline's final loss and the bytes between nodes, a verdict in one line, and on loopback the
+plan's projection to a slow link. Pure functions of the runs (and of the measured model inputs),
+so the README's copy of the output is made from the demo's JSON report."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from signmuon.benchmarks.cost.model import Cluster, Workload, parse_rate, predict
+from signmuon.benchmarks.methods.registry import plan_model
 from signmuon.benchmarks.reports.curves import time_to_target
 
-__all__ = ["LABELS", "METHODS", "summarize", "summary_text", "verdict"]
+__all__ = [
+    "LABELS",
+    "METHODS",
+    "ROUNDS",
+    "plan_projection",
+    "projection_text",
+    "summarize",
+    "summary_text",
+    "verdict",
+]
 
 METHODS = ("adamw", "signmuon_node", "diloco_vote_ef_8")
 """The baseline first: its final loss is the others' target."""
@@ -55,9 +69,13 @@ def verdict(rows: list[dict], link: str) -> str:
     pace = f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
     return (
         f"{where.capitalize()}, {LABELS[best['method']]} reached {LABELS[base['method']]}'s final loss "
-        f"({base['target_loss']:.3f}) {pace} ({best['seconds_to_target']:.0f} s against "
-        f"{base['seconds_to_target']:.0f} s), sending 1/{share:.0f} of its bytes between nodes."
+        f"({base['target_loss']:.3f}) {pace} ({_seconds(best['seconds_to_target'])} against "
+        f"{_seconds(base['seconds_to_target'])}), sending 1/{share:.0f} of its bytes between nodes."
     )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
 
 
 def summary_text(rows: list[dict], link: str, counted_by: str) -> str:
@@ -72,4 +90,55 @@ def summary_text(rows: list[dict], link: str, counted_by: str) -> str:
         )
     lines.append(f"(target: {LABELS[rows[0]['method']]}'s final test loss; MB between nodes: {counted_by})")
     lines.append(verdict(rows, link))
+    return "\n".join(lines)
+
+
+ROUNDS = {"period": 8, "round_bits": 1.5}
+"""The demo's rounds as the plan models them: every 8 steps, the signs and an fp32 scale per 64
+entries (``--outer-scale-block 64``: 1 + 32/64 bits per entry)."""
+
+
+def plan_projection(
+    runs: dict[str, dict], rows: list[dict], inputs: Workload, latency_s: float, link: str, per_node: int = 2
+) -> list[dict]:
+    """The plan's projection of runs on loopback to ``link`` between their nodes: each method's
+    step as :func:`~signmuon.benchmarks.cost.model.predict` gives it there, fed with ``inputs``
+    (the model's size and this CPU's kernel throughputs), the compute of the baseline's loopback
+    step less its modelled communication (loopback taken at 10 Gbit/s), and ``latency_s``;
+    times the steps each run took to the target."""
+    world = runs[METHODS[0]]["world_size"]
+
+    def cluster(rate: float) -> Cluster:
+        return Cluster(world // per_node, per_node, rate, 1, latency_s, 10e9, latency_s)
+
+    workload = dataclasses.replace(inputs, **ROUNDS)
+    base = METHODS[0]
+    modelled = predict(plan_model(base), cluster(10e9), workload)["step_s"]
+    workload = dataclasses.replace(workload, compute_s=max(runs[base]["step_ms"] / 1e3 - modelled, 0.0))
+    projected = []
+    for row in rows:
+        step = predict(plan_model(row["method"]), cluster(parse_rate(link)), workload)["step_s"]
+        steps = row["steps_to_target"]
+        projected.append(
+            {"method": row["method"], "step_s": step, "seconds_to_target": None if steps is None else steps * step}
+        )
+    return projected
+
+
+def projection_text(projected: list[dict], link: str) -> str:
+    """The projection's table, labelled as one."""
+    lines = [
+        f"the plan's projection to a {link} link between the nodes (cost.predict() fed with this run's compute and "
+        "this CPU's kernels: a projection, not a measurement)",
+        f"{'method':>38} {'step ms':>8} {'s to target':>12}",
+    ]
+    for p in projected:
+        seconds = "-" if p["seconds_to_target"] is None else f"{p['seconds_to_target']:.1f}"
+        lines.append(f"{LABELS[p['method']]:>38} {p['step_s'] * 1e3:>8.1f} {seconds:>12}")
+    base, reached = projected[0], [p for p in projected[1:] if p["seconds_to_target"] is not None]
+    if base["seconds_to_target"] and reached:
+        best = min(reached, key=lambda p: p["seconds_to_target"])
+        ratio = base["seconds_to_target"] / best["seconds_to_target"]
+        pace = f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
+        lines.append(f"Projected: on a {link} link {LABELS[best['method']]} would reach the target {pace}.")
     return "\n".join(lines)
