@@ -6,8 +6,9 @@ SignMuon (one bit per entry between nodes, every step) and DiLoCo with one-bit r
 steps). It prints each method's final loss, its time to DDP+AdamW's final loss and the bytes
 that left each node (the interfaces' counters), a verdict in one line, and draws test loss
 against wall time and against those bytes. Where links cannot be shaped it says why, trains on
-loopback and adds the plan's projection of those runs to the link (cost.predict()), labelled as one. ``--task digits`` is the fast
-demo of before (a minute, loopback).
+loopback and adds the plan's projection of those runs to the link (``cost.predict()``), labelled
+as one. ``--task digits`` is the fast demo of before (a minute, loopback). ``--json`` writes the
+summary and the runs (the README's copy of the output is made from such a report).
 
     signmuon-bench demo                   # 100 Mbit/s between the nodes
     signmuon-bench demo --link 50mbit
