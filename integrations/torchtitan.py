@@ -46,12 +46,12 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from signmuon.optim import SignMuon, SignSGDMV, SignumMV, register_fsdp_vote
+from signmuon.optim import SIGN_OPTIMIZERS, register_fsdp_vote
 
 __all__ = ["SIGN_VOTE_OPTIMIZERS", "SignVoteOptimizersContainer"]
 
-SIGN_VOTE_OPTIMIZERS: dict[str, type] = {"SignMuon": SignMuon, "SignumMV": SignumMV, "SignSGDMV": SignSGDMV}
-"""The optimizer names the container resolves, beside torchtitan's own."""
+SIGN_VOTE_OPTIMIZERS: dict[str, type] = {cls.__name__: cls for cls in SIGN_OPTIMIZERS.values()}
+"""The optimizer names the container resolves, beside torchtitan's own (our optimizers by class name)."""
 _OPTIMIZER_ARGUMENTS = ("vote", "process_group", "vote_in_step", "checkpoint_all_ranks", "master_weights")
 
 
