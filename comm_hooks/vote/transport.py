@@ -222,10 +222,10 @@ class TransportWork:
         if any(h[0] & FLAG_SENDS_EXTRA for h in headers):  # the same decision on every rank
             if plan.two_phase:
                 mine = [enc.extra(d, sending[d]) if extra_words(sending[d]) else self._nothing() for d in range(M)]
-                extras = self._send_extras(lengths, mine, broadcast=False)
             else:
-                own = enc.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
-                extras = self._send_extras(lengths, [own], broadcast=True)
+                mine = [enc.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()]
+            start = self._time("pack_seconds", start)  # encoding the extras
+            extras = self._send_extras(lengths, mine, broadcast=not plan.two_phase)
             start = self._time("wait_seconds", start)  # a blocking collective
         part = plan.rank if plan.two_phase else 0
         rows = self._recv[:, HEADER_WORDS:]
@@ -266,10 +266,12 @@ class TransportWork:
             codes = [h[0] for h in headers]
             lengths = [extra_words(c) for c in codes]
             extras: list = [None] * plan.world_size
+            start = self._time("wait_seconds", start)
             if any(lengths):
                 own = self._reduced.extra(0, codes[plan.rank]) if lengths[plan.rank] else self._nothing()
+                start = self._time("vote_seconds", start)  # encoding the voted part's extra
                 extras = self._send_extras(lengths, [own], broadcast=True)
-            start = self._time("wait_seconds", start)
+                start = self._time("wait_seconds", start)
             rows = self._recv[:, GATHER_HEADER_WORDS:]
             self._encoding.decode(rows, codes, [h[1] for h in headers], extras, plan, self._out)
             self._time("unpack_seconds", start)
