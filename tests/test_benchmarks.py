@@ -161,6 +161,44 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
     assert not any(line.startswith(prefix) for line in leftovers.splitlines()), "namespaces left behind"
 
 
+def test_a_shaped_link_holds_a_small_message_to_its_rate():
+    # After an idle pause (a step's compute) 48 KB must still cross 10 Mbit/s at the rate (38 ms),
+    # not ride a token bucket that refilled meanwhile at loopback speed (which favours the vote).
+    import subprocess
+    import sys
+    import time
+
+    from signmuon.benchmarks.netem.network import EmulatedNetwork
+
+    size, port = 48_000, 29611
+    server = (
+        "import socket; s = socket.create_server(('0.0.0.0', %d)); c, _ = s.accept(); n = 0\n"
+        "while n < %d: n += len(c.recv(65536))\n"
+        "c.sendall(b'k')" % (port, size)
+    )
+    client = (
+        "import socket, time; c = socket.create_connection(('%s', %d)); c.sendall(b'x'); time.sleep(0.3)\n"
+        "start = time.perf_counter(); c.sendall(bytes(%d)); c.recv(1); print(time.perf_counter() - start)"
+    )
+    with EmulatedNetwork(2, "10mbit", "") as net:
+        run_in = ["ip", "netns", "exec"]
+        listening = subprocess.Popen([*run_in, net.namespaces[1], sys.executable, "-c", server])
+        try:
+            for _ in range(50):  # until the server listens
+                done = subprocess.run(
+                    [*run_in, net.namespaces[0], sys.executable, "-c", client % (net.address(1), port, size - 1)],
+                    capture_output=True,
+                    text=True,
+                )
+                if done.returncode == 0:
+                    break
+                time.sleep(0.1)
+            assert done.returncode == 0, done.stderr
+        finally:
+            listening.kill()
+    assert float(done.stdout) >= 0.8 * 8 * size / 10e6
+
+
 def test_rate_sweep_trains_under_each_rate_and_reports_time_to_target(tmp_path, capsys):
     # Two rates, two methods, a few steps, in namespaces (root and iproute2, as above): one
     # training run per rate, a time-to-target row per method and a panel per rate.

@@ -22,6 +22,8 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 _NETWORKS = itertools.count()
+TBF_MIN_BURST = 2 * 1514
+"""Bytes of tbf's smallest bucket: two Ethernet frames of a 1500-byte MTU."""
 
 
 class EmulatedNetwork:
@@ -78,9 +80,10 @@ class EmulatedNetwork:
         netem = _run(*qdisc, "netem", "rate", self.rate, *(["delay", self.delay] if self.delay else []), check=False)
         if netem.returncode == 0:
             return
-        # 1 ms of traffic, at least a 64 KiB GSO segment: a NIC's line rate, not a credit that lets
-        # a step's first megabyte through at once (10 ms of 1 Gbit/s would be 1.25 MB).
-        burst = max(rate_bits(self.rate) // 8 // 1000, 64 * 1024)
+        # 1 ms of traffic, at least two full frames: a NIC's line rate. A larger bucket refills
+        # while a step computes and lets a small message through at loopback speed (64 KiB would
+        # carry a 1-bit vote of 500k entries free at 100 Mbit/s); tbf splits GSO segments.
+        burst = max(rate_bits(self.rate) // 8 // 1000, TBF_MIN_BURST)
         _run(*qdisc, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
         if self.delay and not self.delay_dropped:
             print(
