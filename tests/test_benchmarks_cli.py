@@ -292,6 +292,8 @@ def test_ddp_step_counts_the_hook_momentum_and_the_node_aware_rows_hold_a_slice_
     assert 2 * node["state_bytes"] <= flat["state_bytes"] + 2 * 4 * 8  # L = 2: about half (slices round up)
     assert node["state_bytes"] >= flat["state_bytes"] // 2
     assert no_momentum["state_bytes"] == 0
+    for row in rows:  # the vote's own host seconds per step (the cost model's kernel time), inside the step
+        assert 0 < row["vote_kernel_s"] < row["step_s"], row
 
 
 def test_ddp_step_rounds_take_each_methods_median_and_keep_a_failure():

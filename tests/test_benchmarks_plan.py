@@ -32,6 +32,30 @@ def test_plan_bytes_are_the_collectives_formulas():
     )
 
 
+def test_plan_zeros_follow_each_of_the_votes_rounds_with_one_more():
+    # Where zeros travel (zero_bits > 0), their lists go in a round of their own after each of the
+    # vote's rounds (the first announced their sizes): twice the α term, between nodes and inside.
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
+
+    n, alpha = 1 << 20, 1e-3
+
+    def rounds(method, cluster, zero_bits):
+        work = Workload(n, 0.0, ((1024, 1024),), zero_bits=zero_bits, overlap=False)
+        slow = predict(method, Cluster(**{**cluster.__dict__, "latency_s": alpha, "intra_latency_s": alpha}), work)
+        fast = predict(method, Cluster(**{**cluster.__dict__, "latency_s": 0.0, "intra_latency_s": 0.0}), work)
+        return round((slow["comm_s"] - fast["comm_s"]) / alpha, 6)
+
+    flat, nodes = Cluster(4, 1, 1e9), Cluster(2, 2, 1e9)
+    for method, cluster, dense, zeros in (
+        ("signsgd_mv", flat, 6, 12),  # two-phase over 4 ranks: 2(M-1), each followed by the zeros'
+        ("signum_mv", Cluster(1, 4, 1e9), 6, 12),  # one node: the same rounds inside it
+        ("signsgd_mv_node", nodes, 2 + 2 + 1, 4 + 2 + 1),  # the rail vote's; the node all-reduce and gather keep theirs
+        ("fsdp_signum_mv", nodes, 2 + 3, 4 + 3),  # the rail vote's; FSDP2's own collectives keep theirs
+    ):
+        assert (rounds(method, cluster, 0.0), rounds(method, cluster, 0.25)) == (dense, zeros), method
+    assert rounds("allreduce", flat, 0.25) == rounds("allreduce", flat, 0.0) == 6  # no vote, no zeros' lists
+
+
 def test_plan_crossover_is_where_the_step_times_meet():
     import math
 

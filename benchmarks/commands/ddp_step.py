@@ -51,6 +51,11 @@ def _state_bytes(opt: torch.optim.Optimizer, hook_state) -> int:
     return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v) and v.dim() > 0)
 
 
+def _kernel_seconds(stats) -> float:
+    """Host seconds the vote spent encoding, voting and decoding (``CommStats``), waits excluded."""
+    return stats.pack_seconds + stats.vote_seconds + stats.unpack_seconds
+
+
 def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[str]) -> list[dict]:
     device = group_device(None)
     rows = []
@@ -82,6 +87,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
         timed_calls(step, args.warmup, device)
         in_backward[0] = 0
         sent_before = state.stats.bytes_sent if hooked else 0
+        kernels_before = _kernel_seconds(state.stats) if hooked else 0.0
         between_before = state.stats.bytes_sent_between_nodes if hooked else 0
         times = timed_calls(step, args.steps, device)
         params = sum(p.numel() for p in model.parameters())
@@ -103,6 +109,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, methods: list[
             "bits_per_entry": bits,
             "state_bytes": _state_bytes(opt, state),
         }
+        if hooked:  # the vote's own work per step on this rank's gradients (zeros included), not a microbenchmark's
+            row["vote_kernel_s"] = (_kernel_seconds(state.stats) - kernels_before) / args.steps
         if setup.node_layout is not None:
             nodes, per_node, node_group = setup.node_layout()
             row["nodes"] = f"{nodes}x{per_node}"

@@ -108,24 +108,31 @@ def validate(
     ``netem`` (root), per layout of ``layouts``.
 
     The model gets what a user would give it: the model's size and matrix shapes (``ddp-step``'s
-    MLP), the compute time from one unshaped run (the fp32 all-reduce's step at ``base``, less the
-    model's own communication time there), the vote's kernel and Newton–Schulz throughput
-    measured on this CPU, and the link: its rate (one shaped NIC per node; loopback inside a node
-    taken at ``base``) and its latency (:func:`~signmuon.benchmarks.cost.kernels.measure_latency`). Bytes, latency, overlap and kernel terms are the model's own: nothing else is
-    taken from the shaped runs. With ``repeats``, whole passes run one after another and each
+    MLP); from one unshaped run, the compute time (the fp32 all-reduce's step at ``base``, less the
+    model's own communication time there) and, per vote, what ``ddp-step`` prints of it: the
+    zeros' bits (its bits per entry less one, to two decimals) and the vote's kernel time per
+    step on these gradients (the hook's host seconds encoding, voting and decoding, zeros
+    included; an all-reduce keeps the kernels measured by
+    :func:`~signmuon.benchmarks.cost.kernels.measure_workload`); Newton–Schulz's throughput
+    measured on this CPU; and the link: its rate (one shaped NIC per node; loopback inside a node
+    taken at ``base``) and its latency (:func:`~signmuon.benchmarks.cost.kernels.measure_latency`).
+    Bytes, latency, overlap and kernel terms are the model's own: nothing is taken from the
+    shaped runs. With ``repeats``, whole passes run one after another and each
     point is the median of its passes (:func:`median_rows`). Each world size is counted on its
     own: with more ranks than cores the ranks share the cores, which the model does not know."""
     rows = median_rows([_validation_pass(rates, base, width, steps, layouts) for _ in range(repeats)])
     print(
         f"{'layout':>6} {'method':>16} {'rate':>8} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10} "
-        f"{'MB crossing (model/counted)':>28}" + ("  each pass" if repeats > 1 else "")
+        f"{'MB crossing (model/counted)':>28} {'zero bits':>9} {'kernel ms':>9}"
+        + ("  each pass" if repeats > 1 else "")
     )
     for r in rows:
         passes = "  " + " ".join(f"{x:.2f}" for x in r["pass_ratios"]) if repeats > 1 else ""
         crossing = f"{r['bytes_crossing'] / 1e6:.3f}/{r['measured_crossing'] / 1e6:.3f}"
         print(
             f"{r['layout']:>6} {r['method']:>16} {r['rate']:>8} {r['predicted_s'] * 1e3:>13.1f} "
-            f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f} {crossing:>28}{passes}"
+            f"{r['measured_s'] * 1e3:>12.1f} {r['ratio']:>10.2f} {crossing:>28} {r['zero_bits']:>9.2f} "
+            f"{r['kernel_s'] * 1e3:>9.2f}{passes}"
         )
     for world_size in sorted({r["world_size"] for r in rows}, reverse=True):
         mine = [r for r in rows if r["world_size"] == world_size]
@@ -189,8 +196,9 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
         for method in methods:
             got = measured[base][method]
             counted = got["between_nodes_bytes_per_node"] if method.endswith("_node") else got["bytes_per_rank"]
+            own = _unshaped_inputs(workload, got, counted, predict(method, cluster(base), workload))
             for rate in rates:
-                model = predict(method, cluster(rate), workload)
+                model = predict(method, cluster(rate), own)
                 step = measured[rate][method]["step_s"]
                 rows.append(
                     {
@@ -200,9 +208,11 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                         "rate": rate,
                         "bytes_crossing": model["between_bytes_per_node"],
                         "measured_crossing": counted,
-                        "compute_s": workload.compute_s,
-                        "kernel_bytes_per_s": workload.kernel_bytes_per_s,
-                        "ns_flops_per_s": workload.ns_flops_per_s,
+                        "compute_s": own.compute_s,
+                        "kernel_bytes_per_s": own.kernel_bytes_per_s,
+                        "zero_bits": own.zero_bits,
+                        "kernel_s": 4 * own.params / own.kernel_bytes_per_s,
+                        "ns_flops_per_s": own.ns_flops_per_s,
                         "latency_s": latency,
                         "predicted_s": model["step_s"],
                         "measured_s": step,
@@ -210,6 +220,18 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                     }
                 )
     return rows
+
+
+def _unshaped_inputs(workload: Workload, row: dict, counted: float, dense: dict) -> Workload:
+    """``workload`` with what the unshaped run's ``row`` says of a method's vote: the zeros'
+    bits (the bytes ``counted`` over the dense model's, less one, to two decimals, as
+    ``ddp-step``'s bits per entry shows them) and the kernel throughput of its measured host
+    seconds per step (``vote_kernel_s``; rows without it keep ``workload``'s)."""
+    dense_bytes = dense["between_bytes_per_node"]
+    zero_bits = round(max(0.0, counted / dense_bytes - 1), 2) if dense_bytes > 0 else 0.0
+    kernel_s = row.get("vote_kernel_s", 0.0)
+    kernels = 4 * workload.params / kernel_s if kernel_s > 0 else workload.kernel_bytes_per_s
+    return dataclasses.replace(workload, zero_bits=zero_bits, kernel_bytes_per_s=kernels)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -33,7 +33,9 @@ their node all-reduce and rail vote are pipelined across buckets like DDP's own)
 rounds method's round, which runs after the step.
 
 The vote's bytes are the dense formula (one bit per entry); exact zeros (``zeros="abstain"``
-on ReLU networks) add up to a bit per entry, which ``zero_bits`` accounts for.
+on ReLU networks) add up to a bit per entry, which ``zero_bits`` accounts for, and where they
+travel each of the vote's rounds is followed by one more (their lists, whose sizes the first
+announced).
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ def median_rows(passes: list[list[dict]]) -> list[dict]:
             "measured_crossing",
             "compute_s",
             "kernel_bytes_per_s",
+            "kernel_s",
+            "zero_bits",
             "ns_flops_per_s",
             "latency_s",
         ):

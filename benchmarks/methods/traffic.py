@@ -69,6 +69,12 @@ def node_allreduce(cluster, workload) -> Traffic:
     return Traffic(_ring(4 * n, N), _ring(4 * n, L), 2 * (N - 1), 2 * (L - 1))
 
 
+def _zero_rounds(workload, rounds: float) -> float:
+    """A vote's message rounds: each is followed by the exchange of the zeros' lists where zeros
+    travel (``workload.zero_bits`` > 0), whose sizes the first one announced."""
+    return 2 * rounds if workload.zero_bits > 0 else rounds
+
+
 def vote(newton_schulz: bool = False) -> Callable[..., Traffic]:
     """The flat vote (two-phase); with ``newton_schulz``, SignMuon's."""
 
@@ -78,6 +84,7 @@ def vote(newton_schulz: bool = False) -> Callable[..., Traffic]:
         per_rank = 2 * (M - 1) / M * n * bits / 8 if M > 1 else 0.0
         share = (M - L) / (M - 1) if M > 1 else 0.0  # of each rank's sends, the part to other nodes
         rounds, rounds_in = (2 * (M - 1), 0) if N > 1 else (0, 2 * (L - 1))
+        rounds, rounds_in = _zero_rounds(workload, rounds), _zero_rounds(workload, rounds_in)
         extra_s = 4 * n / workload.kernel_bytes_per_s
         if newton_schulz:
             extra_s += _ns_flops(workload.matrices) / workload.ns_flops_per_s
@@ -92,7 +99,7 @@ def node_vote(newton_schulz: bool = False) -> Callable[..., Traffic]:
     def traffic(cluster, workload) -> Traffic:
         N, L, n = cluster.nodes, cluster.ranks_per_node, workload.params
         bits = 1.0 + workload.zero_bits
-        between, rounds = (2 * (N - 1) / N * n * bits / 8 if N > 1 else 0.0), 2 * (N - 1)
+        between, rounds = (2 * (N - 1) / N * n * bits / 8 if N > 1 else 0.0), _zero_rounds(workload, 2 * (N - 1))
         blocking = (0.0, (L - 1) / L * n, 0.0, L - 1)  # the voted slices' gather: the compute waits for it
         extra_s = 4 * n / L / workload.kernel_bytes_per_s
         if newton_schulz:
@@ -144,7 +151,7 @@ def sharded_vote(newton_schulz: bool = False, during_backward: bool = True) -> C
         extra_s = 4 * n / L / workload.kernel_bytes_per_s
         if newton_schulz:
             extra_s += _ns_flops(workload.matrices) / L / workload.ns_flops_per_s
-        vote = (between, inside, 2 * (N - 1), 2 * (L - 1) if owned else 0)
+        vote = (between, inside, _zero_rounds(workload, 2 * (N - 1)), 2 * (L - 1) if owned else 0)
         fsdp = Traffic(0.0, _fsdp_inside(cluster, workload), 0, 3 * (L - 1))
         if during_backward:
             return Traffic(vote[0], fsdp.inside + vote[1], vote[2], fsdp.rounds_in + vote[3], extra_s=extra_s)
