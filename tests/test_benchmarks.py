@@ -162,7 +162,7 @@ def test_emulated_network_harness_two_ranks_and_cleanup():
 
 
 def test_a_shaped_link_holds_a_small_message_to_its_rate():
-    # After an idle pause (a step's compute) 48 KB must still cross 10 Mbit/s at the rate (38 ms),
+    # After an idle pause (a step's compute) 96 KB must still cross 10 Mbit/s at the rate (77 ms),
     # not ride a token bucket that refilled meanwhile at loopback speed (which favours the vote).
     import subprocess
     import sys
@@ -170,7 +170,7 @@ def test_a_shaped_link_holds_a_small_message_to_its_rate():
 
     from signmuon.benchmarks.netem.network import EmulatedNetwork
 
-    size, port = 48_000, 29611
+    size, port = 96_000, 29611
     server = (
         "import socket; s = socket.create_server(('0.0.0.0', %d)); c, _ = s.accept(); n = 0\n"
         "while n < %d: n += len(c.recv(65536))\n"
