@@ -2,7 +2,10 @@
 collectives are tested against, its crossover is where the step times meet, and the CLI refuses
 bad input."""
 
+import dataclasses
+
 import pytest
+import torch
 
 
 def test_plan_bytes_are_the_collectives_formulas():
@@ -167,15 +170,53 @@ def test_validation_passes_combine_into_medians_per_point():
         main(["--model", "gpt-125m", "--repeats", "3"])  # without --validate
 
 
+def test_the_validation_table_shows_each_votes_inputs_from_the_unshaped_run():
+    from signmuon.benchmarks.cost.validation import median_rows
+    from signmuon.benchmarks.reports.tables import validation_table
+
+    def point(method, rate, measured, vote, zero_bits=0.0, kernel_s=3e-4):
+        return {
+            "layout": "2x1",
+            "world_size": 2,
+            "method": method,
+            "rate": rate,
+            "predicted_s": 0.010,
+            "measured_s": measured,
+            "vote_inputs_from_run": vote,
+            "zero_bits": zero_bits,
+            "kernel_s": kernel_s,
+        }
+
+    one_pass = [
+        point("allreduce", "30mbit", 0.011, False),
+        point("allreduce", "1gbit", 0.009, False),
+        point("signsgd_mv", "30mbit", 0.014, True, 0.51, 2.9e-3),
+        point("signsgd_mv", "1gbit", 0.012, True, 0.51, 2.9e-3),
+    ]
+    rows = median_rows([one_pass, one_pass])
+    assert [r["vote_inputs_from_run"] for r in rows] == [False, False, True, True]
+    table = validation_table([{"rows": rows}])
+    assert table.splitlines()[:4] == [
+        "| layout | method | 30mbit | 1gbit | zero bits / entry | vote kernels ms / step |",
+        "|---|---|---|---|---|---|",
+        "| 2x1 | allreduce | 0.91 | 1.11 | - | - |",  # an all-reduce's kernels are not the model's
+        "| 2x1 | signsgd_mv | 0.71 | 0.83 | 0.51 | 2.9 |",
+    ]
+    assert table.endswith("Predicted / measured within 20%: 2x1: 3 of 4.")
+    older = [{k: v for k, v in r.items() if k != "vote_inputs_from_run"} for r in rows]  # reports before the inputs
+    assert validation_table([{"rows": older}]).splitlines()[0] == "| layout | method | 30mbit | 1gbit |"
+
+
 def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
     # B buckets, backward T_b, collectives C one after another: the last ends
     # max(C - T_b(1 - 1/B), C/B) after backward. Hand-computed for both regimes.
     from signmuon.benchmarks.cost.model import Cluster, Workload, predict
 
-    n = 10 * (25 * 2**20) // 4  # ten buckets of 25 MB of fp32 gradient
+    n = 10 * (25 * 2**20) // 4  # ten buckets of 25 MB of fp32 gradient (bucket_cap_mb=25 given to DDP)
     cluster = Cluster(4, 1, 1e9)
     for compute in (0.3, 3.0):  # backward 0.2 s (the link is slower) and 2 s (backward hides all but a bucket)
-        overlapped, upper = Workload(n, compute), Workload(n, compute, overlap=False)
+        overlapped = Workload(n, compute, first_bucket_bytes=25 * 2**20)
+        upper = dataclasses.replace(overlapped, overlap=False)
         assert overlapped.buckets == 10
         for method in ("allreduce", "signsgd_mv", "signsgd_mv_node", "powersgd_r4"):
             full, got = predict(method, cluster, upper), predict(method, cluster, overlapped)
@@ -184,7 +225,7 @@ def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
             assert got["exposed_comm_s"] == pytest.approx(max(C - T_b * 0.9, C / 10))
             assert got["step_s"] == pytest.approx(compute + got["exposed_comm_s"] + got["extra_s"])
             assert full["step_s"] == pytest.approx(compute + C + full["extra_s"])
-    ring = predict("allreduce", cluster, Workload(n, 0.3))
+    ring = predict("allreduce", cluster, Workload(n, 0.3, first_bucket_bytes=25 * 2**20))
     assert ring["exposed_comm_s"] == pytest.approx(ring["comm_s"] - 0.2 * 0.9)  # 3.1 s of ring: longer than backward
     one_bucket = Workload(1000, 1.0)
     assert (
@@ -194,11 +235,47 @@ def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
     )  # nothing to overlap with
 
 
+def test_the_models_buckets_are_ddps_a_first_of_one_mib_then_25(tmp_path):
+    # DDP's default bucket_cap_mb puts the last layers' gradients in a first bucket of 1 MiB: a
+    # model of 2 MB has two buckets, one half hidden behind backward, not one bucket and nothing.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from signmuon.benchmarks.cost.model import Workload
+    from signmuon.benchmarks.workloads.models import mlp
+
+    assert [Workload(n, 1.0).buckets for n in (1000, 2**18, 2**18 + 1, 2**18 + 25 * 2**18 + 1)] == [1, 1, 2, 3]
+    assert Workload(2**20, 1.0, bucket_bytes=4 * 2**20, first_bucket_bytes=4 * 2**20).buckets == 1
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        # 1, 2, 3 and 4 buckets. DDP never splits a parameter: where they are large against the caps
+        # (1728 x 4: 11 MiB each) buckets are fewer (2, the model says 3), so these are fine-grained.
+        for width, depth in ((64, 2), (512, 2), (512, 30), (512, 60)):
+            model = DistributedDataParallel(mlp(width, depth))
+            calls = []
+
+            def count(state, bucket):
+                calls.append(bucket.index())
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+
+            model.register_comm_hook(None, count)
+            for _ in range(2):  # DDP re-buckets after the first backward
+                calls.clear()
+                model(torch.randn(2, 512)).sum().backward()
+            params = sum(p.numel() for p in model.parameters())
+            assert len(calls) == Workload(params, 1.0).buckets, (width, depth, calls)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_what_backward_cannot_hide_adds_whole():
     from signmuon.benchmarks.cost.model import Cluster, Workload, predict
 
     n = 10 * (25 * 2**20) // 4
-    cluster, work = Cluster(2, 4, 1e9), Workload(n, 3.0, ((4096, 4096),) * 8)
+    cluster = Cluster(2, 4, 1e9)
+    work = Workload(n, 3.0, ((4096, 4096),) * 8, first_bucket_bytes=25 * 2**20)  # ten equal buckets
     # The node-aware votes hide their node all-reduce and rail vote, not their blocking gather of voted slices.
     gather_s = 8 * (3 / 4 * n) / cluster.intra_bps + 3 * cluster.intra_latency_s
     for method in ("signsgd_mv_node", "signmuon_node"):
@@ -215,6 +292,8 @@ def test_what_backward_cannot_hide_adds_whole():
         Workload(n, 1.0, backward_share=1.5)
     with pytest.raises(ValueError, match="bucket_bytes"):
         Workload(n, 1.0, bucket_bytes=0)
+    with pytest.raises(ValueError, match="first_bucket_bytes"):
+        Workload(n, 1.0, first_bucket_bytes=-1)
 
 
 def test_plan_cli_overlap_flags(capsys):

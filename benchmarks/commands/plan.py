@@ -76,7 +76,8 @@ def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
     if workload.overlap:
         print(
             f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
-            f"{workload.buckets} bucket(s) of {workload.bucket_bytes / 2**20:g} MB (not the node-aware votes' "
+            f"{workload.buckets} bucket(s): {workload.first_bucket_bytes / 2**20:g} MB, then "
+            f"{workload.bucket_bytes / 2**20:g} MB each (not the node-aware votes' "
             "gather in the node, nor a round); --no-overlap: all of it, the upper bound"
         )
     if any(r["method"].startswith("diloco") for r in rows):
@@ -197,6 +198,7 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
             got = measured[base][method]
             counted = got["between_nodes_bytes_per_node"] if method.endswith("_node") else got["bytes_per_rank"]
             own = _unshaped_inputs(workload, got, counted, predict(method, cluster(base), workload))
+            from_run = got.get("vote_kernel_s", 0.0) > 0  # a vote: its zeros and kernels are the run's
             for rate in rates:
                 model = predict(method, cluster(rate), own)
                 step = measured[rate][method]["step_s"]
@@ -210,6 +212,7 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                         "measured_crossing": counted,
                         "compute_s": own.compute_s,
                         "kernel_bytes_per_s": own.kernel_bytes_per_s,
+                        "vote_inputs_from_run": from_run,
                         "zero_bits": own.zero_bits,
                         "kernel_s": 4 * own.params / own.kernel_bytes_per_s,
                         "ns_flops_per_s": own.ns_flops_per_s,
@@ -273,8 +276,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--bucket-mb",
         type=float,
-        default=Workload.bucket_bytes / 2**20,
-        help="DDP's bucket_cap_mb (the number of buckets)",
+        help="DDP's bucket_cap_mb, if given to DDP (the number of buckets; default: DDP's, a first bucket "
+        "of 1 MiB, then 25 MiB each)",
     )
     parser.add_argument("--methods", nargs="+", default=list(names_for("plan")), choices=names_for("plan"))
     parser.add_argument("--projection", action="store_true", help="the published-hardware projection table")
@@ -302,10 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "--period and --round-bits describe a cluster you plan (--model or --params); the projection "
             "and the validation use their own settings"
         )
-    overlap_inputs = (args.backward_share, args.bucket_mb) != (
-        parser.get_default("backward_share"),
-        parser.get_default("bucket_mb"),
-    )
+    overlap_inputs = args.backward_share != parser.get_default("backward_share") or args.bucket_mb is not None
     if args.validate and (args.no_overlap or overlap_inputs):
         parser.error(
             "--no-overlap, --backward-share and --bucket-mb describe a model; the validation predicts "
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("the projection uses its own backward share and buckets (--no-overlap applies)")
     if not 0 <= args.backward_share <= 1:
         parser.error(f"--backward-share {args.backward_share} must lie in [0, 1]")
-    if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+    if args.bucket_mb is not None and not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
         parser.error(f"--bucket-mb {args.bucket_mb} must be a positive size")
     if args.projection:
         rows = projection(args.plot, overlap=not args.no_overlap)
@@ -367,7 +367,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.round_bits,
             overlap=not args.no_overlap,
             backward_share=args.backward_share,
-            bucket_bytes=args.bucket_mb * 2**20,
+            **(
+                {}
+                if args.bucket_mb is None
+                else dict.fromkeys(("bucket_bytes", "first_bucket_bytes"), args.bucket_mb * 2**20)
+            ),
         )
         rows = _table(cluster, workload, args.methods)
         _print(rows, cluster, workload)

@@ -24,8 +24,8 @@ node-aware vote; PowerSGD: its two products per matrix); kernels and Newton–Sc
 device that computes, so they never hide.
 
 Overlap (``Workload.overlap``, on by default): DDP starts each bucket's collective when
-backward has produced the bucket and runs it while backward goes on. With B equal buckets
-(``bucket_bytes`` of the fp32 gradient), backward time T_b and the buckets' collectives run one
+backward has produced the bucket and runs it while backward goes on. With B buckets (DDP's:
+a first of 1 MiB, then ``bucket_bytes`` of the fp32 gradient each; taken as equal), backward time T_b and the buckets' collectives run one
 after another, the last one ends max(C − T_b·(1 − 1/B), C/B) after backward: backward hides
 (1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. Never hidden: the node-aware
 votes' gather of voted slices inside the node (a blocking collective the compute waits for;
@@ -123,19 +123,26 @@ class Workload:
     """The part of ``compute_s`` that is backward (about twice the forward's flops)."""
     bucket_bytes: float = 25 * 2**20
     """DDP's bucket size over the fp32 gradient (``bucket_cap_mb=25``): it sets the number of buckets."""
+    first_bucket_bytes: float = 2**20
+    """DDP's first bucket (the last layers' gradients, ready first): 1 MiB where ``bucket_cap_mb``
+    is left at its default (``dist._DEFAULT_FIRST_BUCKET_BYTES``), else ``bucket_bytes``."""
     extra: dict = field(default_factory=dict)
     """Free-form notes carried to the report."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.backward_share <= 1.0:
             raise ValueError(f"backward_share={self.backward_share} must lie in [0, 1]")
-        if not self.bucket_bytes > 0:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} must be > 0")
+        if not (self.bucket_bytes > 0 and self.first_bucket_bytes > 0):
+            raise ValueError(
+                f"bucket_bytes={self.bucket_bytes} and first_bucket_bytes={self.first_bucket_bytes} must be > 0"
+            )
 
     @property
     def buckets(self) -> int:
-        """B, DDP's buckets of the fp32 gradient."""
-        return max(1, math.ceil(4 * self.params / self.bucket_bytes))
+        """B, DDP's buckets of the fp32 gradient: the first, then ``bucket_bytes`` each (DDP never
+        splits a parameter, so parameters large against the caps make fewer, larger buckets)."""
+        rest = 4 * self.params - self.first_bucket_bytes
+        return 1 + max(0, math.ceil(rest / self.bucket_bytes))
 
     def hidden_seconds(self, comm_s: float) -> float:
         """How much of ``comm_s`` of bucketed collectives backward hides: (1 − 1/B)·min(T_b, C)."""

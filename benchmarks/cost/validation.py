@@ -42,5 +42,7 @@ def median_rows(passes: list[list[dict]]) -> list[dict]:
         ):
             if all(inputs in q for q in points):
                 row[inputs] = statistics.median(q[inputs] for q in points)
+        if all("vote_inputs_from_run" in q for q in points):
+            row["vote_inputs_from_run"] = all(q["vote_inputs_from_run"] for q in points)
         rows.append(row)
     return rows

@@ -117,20 +117,24 @@ def step_table(reports: list[dict]) -> str:
 
 
 def validation_table(reports: list[dict], within: str = "0.2") -> str:
-    """``plan --validate``: predicted / measured step per layout, method and rate, and per
+    """``plan --validate``: predicted / measured step per layout, method and rate (and, where the
+    report has them, each vote's zeros' bits and kernel time from the unshaped run), and per
     layout how many points lie within ``within`` of 1."""
     rows = reports[0]["rows"]
     tolerance = float(within)
     rates = list(dict.fromkeys(r["rate"] for r in rows))
-    lines = ["| layout | method | " + " | ".join(rates) + " |", "|---|---|" + "---|" * len(rates)]
+    inputs = all("vote_inputs_from_run" in r for r in rows)  # the vote's zeros and kernel time, from the unshaped run
+    header = ["layout", "method", *rates] + (["zero bits / entry", "vote kernels ms / step"] if inputs else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for layout in dict.fromkeys(r["layout"] for r in rows):
         for method in dict.fromkeys(r["method"] for r in rows if r["layout"] == layout):
-            cells = [
-                f"{r['ratio']:.2f}"
-                for rate in rates
-                for r in rows
-                if r["layout"] == layout and r["method"] == method and r["rate"] == rate
+            points = [
+                r for rate in rates for r in rows if (r["layout"], r["method"], r["rate"]) == (layout, method, rate)
             ]
+            cells = [f"{r['ratio']:.2f}" for r in points]
+            if inputs:
+                vote = points[0]["vote_inputs_from_run"]
+                cells += [f"{points[0]['zero_bits']:.2f}", f"{points[0]['kernel_s'] * 1e3:.1f}"] if vote else ["-", "-"]
             lines.append(f"| {layout} | {method} | " + " | ".join(cells) + " |")
     counts = []
     for layout in dict.fromkeys(r["layout"] for r in rows):
