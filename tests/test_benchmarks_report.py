@@ -60,7 +60,7 @@ def test_a_page_that_disagrees_with_its_json_is_found_and_rewritten(tmp_path, ca
 
 def test_a_table_whose_json_changed_is_found(tmp_path):
     root = _tree(tmp_path)
-    source = root / "benchmarks" / "results" / "2026-12-04-projection-overlap.json"
+    source = root / "benchmarks" / "results" / "2026-12-05-projection.json"
     source.write_text(source.read_text().replace('"speedup": 2.6', '"speedup": 9.6'))
     with pytest.raises(SystemExit, match="README.md"):
         report.main(["--root", str(root), "--check"])
