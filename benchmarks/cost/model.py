@@ -25,9 +25,10 @@ device that computes, so they never hide.
 
 Overlap (``Workload.overlap``, on by default): DDP starts each bucket's collective when
 backward has produced the bucket and runs it while backward goes on. With B buckets (DDP's:
-a first of 1 MiB, then ``bucket_bytes`` of the fp32 gradient each; taken as equal), backward time T_b and the buckets' collectives run one
-after another, the last one ends max(C − T_b·(1 − 1/B), C/B) after backward: backward hides
-(1 − 1/B)·min(T_b, C). Off, C adds whole: an upper bound. Never hidden: the node-aware
+a first of 1 MiB, then ``bucket_bytes`` of the fp32 gradient each; taken as equal), backward
+time T_b and the buckets' collectives run one after another, the last one ends
+max(C − T_b·(1 − 1/B), C/B) after backward: backward hides (1 − 1/B)·min(T_b, C). Off, C adds
+whole: an upper bound. Never hidden: the node-aware
 votes' gather of voted slices inside the node (a blocking collective the compute waits for;
 their node all-reduce and rail vote are pipelined across buckets like DDP's own), and a
 rounds method's round, which runs after the step.

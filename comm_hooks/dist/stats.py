@@ -14,8 +14,9 @@ class CommStats:
     sent inside its node in ``bytes_sent_inside_node`` (the rest crossed between nodes:
     :attr:`bytes_sent_between_nodes`).
 
-    Seconds on this rank's host thread: ``pack_seconds`` (encoding the signs), ``vote_seconds``
-    (the vote on the received shards), ``unpack_seconds`` (decoding the result) and
+    Seconds on this rank's host thread: ``pack_seconds`` (encoding the signs and the zeros'
+    lists), ``vote_seconds`` (the vote on the received shards, and its zeros' lists),
+    ``unpack_seconds`` (decoding the result) and
     ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one).
     On a GPU kernels run asynchronously, so their time shows up where the host next waits for
     them (the headers' reads): the split is exact on CPU and indicative on GPU.
