@@ -235,6 +235,27 @@ def test_backward_hides_bucketed_communication_as_a_pipeline_of_buckets():
     )  # nothing to overlap with
 
 
+def test_the_compute_of_a_measured_step_inverts_the_model():
+    # Backward hides part of the communication, more as compute grows: the compute a measured step
+    # implies is the one at which the model predicts that step, not the step less the communication.
+    from signmuon.benchmarks.cost.model import Cluster, Workload, compute_for, predict
+
+    cluster = Cluster(2, 1, 10e9)
+    for params, buckets in ((530_442, 2), (1000, 1), (50_000_000, 9)):
+        work = Workload(params, 0.0, kernel_bytes_per_s=5e9)
+        assert work.buckets == buckets
+        for method in ("allreduce", "signsgd_mv"):
+            alone = predict(method, cluster, work)["step_s"]
+            for measured in (1.5 * alone, 10 * alone):  # backward shorter, and longer, than the communication
+                compute = compute_for(method, cluster, work, measured)
+                got = predict(method, cluster, dataclasses.replace(work, compute_s=compute))["step_s"]
+                assert compute > 0 and got == pytest.approx(measured, rel=1e-9), (params, method, measured)
+    two = Workload(530_442, 0.0)
+    alone = predict("allreduce", cluster, two)["step_s"]  # no compute, nothing hidden
+    assert compute_for("allreduce", cluster, two, 0.006) > 0.006 - alone  # two buckets: some of it hidden
+    assert compute_for("allreduce", cluster, two, alone / 2) == 0.0  # faster than the model can be
+
+
 def test_the_models_buckets_are_ddps_a_first_of_one_mib_then_25(tmp_path):
     # DDP's default bucket_cap_mb puts the last layers' gradients in a first bucket of 1 MiB: a
     # model of 2 MB has two buckets, one half hidden behind backward, not one bucket and nothing.

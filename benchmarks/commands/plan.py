@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from signmuon.benchmarks.commands import load
-from signmuon.benchmarks.cost.model import Cluster, Workload, crossover, parse_rate, predict
+from signmuon.benchmarks.cost.model import Cluster, Workload, compute_for, crossover, parse_rate, predict
 from signmuon.benchmarks.cost.projection import GPT_SIZES, choice, model_shapes, projection
 from signmuon.benchmarks.cost.validation import median_rows
 from signmuon.benchmarks.methods.registry import METHODS, names_for
@@ -109,8 +109,8 @@ def validate(
     ``netem`` (root), per layout of ``layouts``.
 
     The model gets what a user would give it: the model's size and matrix shapes (``ddp-step``'s
-    MLP); from one unshaped run, the compute time (the fp32 all-reduce's step at ``base``, less the
-    model's own communication time there) and, per vote, what ``ddp-step`` prints of it: the
+    MLP); from one unshaped run, the compute time (at which the model gives the fp32 all-reduce's
+    step measured at ``base``: :func:`~signmuon.benchmarks.cost.model.compute_for`) and, per vote, what ``ddp-step`` prints of it: the
     zeros' bits (its bits per entry less one, to two decimals) and the vote's kernel time per
     step on these gradients (the hook's host seconds encoding, voting and decoding, zeros
     included; an all-reduce keeps the kernels measured by
@@ -191,9 +191,9 @@ def _validation_pass(rates, base: str, width: int, steps: int, layouts) -> list[
                 intra_latency_s=latency,
             )
 
-        # The compute time from the unshaped run: the fp32 all-reduce's step less its modelled communication.
-        compute = measured[base]["allreduce"]["step_s"] - predict("allreduce", cluster(base), inputs)["step_s"]
-        workload = dataclasses.replace(inputs, compute_s=max(compute, 0.0))
+        # The compute time from the unshaped run: the fp32 all-reduce's step less what the model adds to it.
+        compute = compute_for("allreduce", cluster(base), inputs, measured[base]["allreduce"]["step_s"])
+        workload = dataclasses.replace(inputs, compute_s=compute)
         for method in methods:
             got = measured[base][method]
             counted = got["between_nodes_bytes_per_node"] if method.endswith("_node") else got["bytes_per_rank"]

@@ -41,12 +41,13 @@ announced).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from signmuon.benchmarks.methods.registry import builder, names_for
 
-__all__ = ["Cluster", "Workload", "crossover", "predict", "parse_rate"]
+__all__ = ["Cluster", "Workload", "compute_for", "crossover", "predict", "parse_rate"]
 
 
 def parse_rate(text: str) -> float:
@@ -182,6 +183,25 @@ def _link_seconds(cluster: Cluster, between: float, inside: float, rounds: float
         + 8 * inside / cluster.intra_bps
         + rounds_in * cluster.intra_latency_s
     )
+
+
+def compute_for(method: str, cluster: Cluster, workload: Workload, step_s: float) -> float:
+    """The compute time at which ``method``'s predicted step on ``cluster`` is ``step_s`` (a
+    measured step), ``workload`` otherwise: what a step leaves after the communication backward
+    does not hide and the kernels; 0 where no compute at all already predicts a longer step.
+    Backward hides more as compute grows, so a measured step less the communication alone would
+    undercount it; the step grows with compute, and bisection finds it."""
+
+    def step(compute: float) -> float:
+        return predict(method, cluster, dataclasses.replace(workload, compute_s=compute))["step_s"]
+
+    if step(0.0) >= step_s:
+        return 0.0
+    low, high = 0.0, step_s  # step(step_s) >= step_s: backward hides no more than the communication
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step(mid) < step_s else (low, mid)
+    return (low + high) / 2
 
 
 def crossover(method: str, cluster: Cluster, workload: Workload, baseline: str = "allreduce") -> float | None:

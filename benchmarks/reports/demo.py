@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from signmuon.benchmarks.cost.model import Cluster, Workload, parse_rate, predict
+from signmuon.benchmarks.cost.model import Cluster, Workload, compute_for, parse_rate, predict
 from signmuon.benchmarks.methods.registry import plan_model
 from signmuon.benchmarks.reports.curves import time_to_target
 
@@ -103,8 +103,9 @@ def plan_projection(
 ) -> list[dict]:
     """The plan's projection of runs on loopback to ``link`` between their nodes: each method's
     step as :func:`~signmuon.benchmarks.cost.model.predict` gives it there, fed with ``inputs``
-    (the model's size and this CPU's kernel throughputs), the compute of the baseline's loopback
-    step less its modelled communication (loopback taken at 10 Gbit/s), and ``latency_s``;
+    (the model's size and this CPU's kernel throughputs), the compute that the baseline's loopback
+    step implies (:func:`~signmuon.benchmarks.cost.model.compute_for`, loopback taken at
+    10 Gbit/s), and ``latency_s``;
     times the steps each run took to the target."""
     world = runs[METHODS[0]]["world_size"]
 
@@ -113,8 +114,8 @@ def plan_projection(
 
     workload = dataclasses.replace(inputs, **ROUNDS)
     base = METHODS[0]
-    modelled = predict(plan_model(base), cluster(10e9), workload)["step_s"]
-    workload = dataclasses.replace(workload, compute_s=max(runs[base]["step_ms"] / 1e3 - modelled, 0.0))
+    compute = compute_for(plan_model(base), cluster(10e9), workload, runs[base]["step_ms"] / 1e3)
+    workload = dataclasses.replace(workload, compute_s=compute)
     projected = []
     for row in rows:
         step = predict(plan_model(row["method"]), cluster(parse_rate(link)), workload)["step_s"]
