@@ -64,14 +64,18 @@ def verdict(rows: list[dict], link: str) -> str:
             f"({base['target_loss']:.3f}) in this run."
         )
     best = min(reached, key=lambda r: r["seconds_to_target"])
-    ratio = base["seconds_to_target"] / best["seconds_to_target"]
     share = base["bytes_between_nodes"] / max(best["bytes_between_nodes"], 1.0)
-    pace = f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
+    pace = _pace(base["seconds_to_target"] / best["seconds_to_target"])
     return (
         f"{where.capitalize()}, {LABELS[best['method']]} reached {LABELS[base['method']]}'s final loss "
         f"({base['target_loss']:.3f}) {pace} ({_seconds(best['seconds_to_target'])} against "
         f"{_seconds(base['seconds_to_target'])}), sending 1/{share:.0f} of its bytes between nodes."
     )
+
+
+def _pace(ratio: float) -> str:
+    """The baseline's time over a method's, in words."""
+    return f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
 
 
 def _seconds(value: float) -> str:
@@ -139,7 +143,6 @@ def projection_text(projected: list[dict], link: str) -> str:
     base, reached = projected[0], [p for p in projected[1:] if p["seconds_to_target"] is not None]
     if base["seconds_to_target"] and reached:
         best = min(reached, key=lambda p: p["seconds_to_target"])
-        ratio = base["seconds_to_target"] / best["seconds_to_target"]
-        pace = f"{ratio:.1f}x sooner" if ratio >= 1 else f"{1 / ratio:.1f}x later"
+        pace = _pace(base["seconds_to_target"] / best["seconds_to_target"])
         lines.append(f"Projected: on a {link} link {LABELS[best['method']]} would reach the target {pace}.")
     return "\n".join(lines)
