@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dist import CommStats, all_reduce, all_to_all, group_device, mean_all_reduce, nonfinite_flag
+from .dist import CommStats, agree, all_reduce, all_to_all, group_device, mean_all_reduce, nonfinite_flag
 from .kernels.bits import SignSegments
 from .vote import NodeLayout, VoteConfig, vote_in_place
 
@@ -107,12 +107,15 @@ class ShardVoter:
         *,
         step: int,
         label: str,
+        tag: int | None = None,
     ) -> list[torch.Tensor]:
         """This rank's shard of each tensor's voted update.
 
         ``shards[i]`` is this rank's shard of tensor i's node-mean gradient (None: no gradient
         on this node, which then abstains on it). Results are shaped like this rank's shard of
         ``specs[i].shape``, with entries in {-1, 0, +1} (or ``finish``'s values on whole tensors).
+        ``tag`` (default ``step``) identifies the call on the rail: ranks that disagree raise
+        :class:`~signmuon.comm_hooks.VoteMismatchError` on every rank.
         """
         if not shards:
             return []
@@ -160,7 +163,14 @@ class ShardVoter:
         segments = SignSegments.of_pieces([p.numel() for p in pieces], keys, firsts) if pieces else None
         rail = self.layout.rail_group, self.config.rail
         voted = vote_in_place(
-            voter, *rail, step=step, segments=segments, stats=self.stats, label=label, input_nonfinite=any_bad
+            voter,
+            *rail,
+            step=step,
+            segments=segments,
+            stats=self.stats,
+            label=label,
+            input_nonfinite=any_bad,
+            tag=tag,
         )
         results: list[torch.Tensor | None] = [None] * len(specs)
         cursor = 0
@@ -212,11 +222,22 @@ class ShardVoter:
                 results[i] = rows.view((hi - lo, *spec.shape[1:])).float()
                 offset += size[i]
 
-    def mean(self, shards: Sequence[torch.Tensor | None], shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    def mean(
+        self,
+        shards: Sequence[torch.Tensor | None],
+        shapes: Sequence[tuple[int, ...]],
+        *,
+        tag: int | None = None,
+        label: str = "",
+    ) -> list[torch.Tensor]:
         """The mean over every rank of each tensor's node-mean shard (None: zeros): one
-        full-precision all-reduce on the rail."""
+        full-precision all-reduce on the rail. With ``tag``, a tiny round first checks that every
+        rail rank passes the same (an all-reduce has no header of its own to compare):
+        :class:`~signmuon.comm_hooks.VoteMismatchError` on every rank, naming each one's."""
         if not shards:
             return []
+        if tag is not None:
+            agree({"tag": tag}, self.layout.rail_group, what=label or "the same mean", stats=self.stats)
         device = self.device
         full = [s.float() if s is not None else torch.zeros(shape, device=device) for s, shape in zip(shards, shapes)]
         flat = torch.cat([f.reshape(-1) for f in full])

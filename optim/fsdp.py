@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from signmuon.comm_hooks.dist import check_same_settings, group_device
+from signmuon.comm_hooks.dist import VoteMismatchError, check_same_settings, group_device
 from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
 from signmuon.comm_hooks.vote import NodeLayout
 
@@ -114,10 +114,15 @@ class ShardedExchange(Exchange):
         params: list[torch.Tensor],
         name: str,
         grads: list[torch.Tensor | None] | None = None,
+        unit: int | None = None,
     ) -> None:
         """Vote ``params`` into :attr:`results` (voted ones: their shard of the update; averaged
         ones: their shard of the mean gradient) from ``grads`` (default: their ``.grad``; None: no
-        gradient, as from a parameter that has none: every parameter takes part)."""
+        gradient, as from a parameter that has none: every parameter takes part).
+
+        ``unit``: the FSDP unit these are, voted during backward. Its number tags the exchange on
+        the rail, so nodes whose units closed in different orders raise VoteMismatchError on
+        every rank instead of voting one unit's gradients against another's of the same size."""
         if grads is None:
             grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
         grad_of = dict(zip(params, grads))
@@ -126,19 +131,34 @@ class ShardedExchange(Exchange):
         if any(optimizer.finishes(g, path) for g, _, path in voted):
             finish = lambda i, signs: optimizer.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
         step, skipped = optimizer.steps_taken, self.voter.stats.skipped
-        signs = self.voter.vote(
-            [grad_of[p] for _, p, _ in voted],
-            [self.specs[p] for _, p, _ in voted],
-            lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
-            lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
-            finish,
-            step=step,
-            label=f"{name} step {step}",
-        )
-        means = self.voter.mean(
-            [grad_of[p] for _, p, _ in averaged],
-            [tuple(local_tensor(p).shape) for _, p, _ in averaged],
-        )
+        units = len(self.units.units) if self.units is not None else 0
+        tag = step * (units + 1) + (0 if unit is None else unit + 1)
+        label = f"{name} step {step}" + ("" if unit is None else f", FSDP unit {unit}")
+        try:
+            signs = self.voter.vote(
+                [grad_of[p] for _, p, _ in voted],
+                [self.specs[p] for _, p, _ in voted],
+                lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
+                lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
+                finish,
+                step=step,
+                label=label,
+                tag=tag,
+            )
+            means = self.voter.mean(
+                [grad_of[p] for _, p, _ in averaged],
+                [tuple(local_tensor(p).shape) for _, p, _ in averaged],
+                tag=tag if unit is not None and not voted else None,  # no vote checked this unit's order
+                label=label,
+            )
+        except VoteMismatchError as error:
+            if unit is None:
+                raise
+            raise VoteMismatchError(
+                f"{error}. The vote during backward takes FSDP units in the order they close (tag: step x "
+                f"{units + 1} + unit + 1), which must be the same on every node; where data-dependent control flow "
+                "changes it, pass during_backward=False to register_fsdp_vote"
+            ) from error
         self.skipped |= self.voter.stats.skipped != skipped
         self.results.update(zip([p for _, p, _ in voted + averaged], signs + means))
 
@@ -281,7 +301,9 @@ def register_fsdp_vote(
     traffic between nodes runs while backward computes the next units (it replaces any
     all-reduce hook set before); ``step()`` applies what was voted. False: vote everything in
     ``step()``. The results are the same bit for bit. Every node must then reduce the same
-    units in each backward (as FSDP2 already needs inside a node).
+    units in each backward, in the same order (as FSDP2 already needs inside a node); nodes
+    that meet on different units of one size raise ``VoteMismatchError`` on every rank. Pass
+    False where data-dependent control flow changes the order between nodes.
 
     Gradient accumulation: FSDP2's ``model.set_requires_gradient_sync(False)`` on all but the
     last micro-batch; the vote runs once per step, on the last. A second synchronised backward
@@ -358,7 +380,7 @@ def register_fsdp_vote(
         sharded.units = UnitVotes(
             [sorted(params, key=order.__getitem__) for _, params in units],
             per_node,
-            lambda params, grads: sharded.vote(optimizer, params, name, grads),
+            lambda unit, params, grads: sharded.vote(optimizer, params, name, grads, unit),
             sharded.voter.device,
         )
         sharded.units.register([module for module, _ in units])

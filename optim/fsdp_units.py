@@ -63,8 +63,8 @@ class UnitVotes:
     Args:
         units: each unit's parameters, in the optimizer's order.
         ranks_per_node: the ranks a unit is sharded over.
-        vote: votes a list of parameters from the given gradients (None: no gradient), on the
-            worker thread.
+        vote: votes unit i's parameters from the given gradients (None: no gradient), on the
+            worker thread: ``vote(i, params, grads)``.
         device: where the gradients live.
     """
 
@@ -72,7 +72,7 @@ class UnitVotes:
         self,
         units: list[list[torch.Tensor]],
         ranks_per_node: int,
-        vote: Callable[[list[torch.Tensor], list[torch.Tensor | None]], None],
+        vote: Callable[[int, list[torch.Tensor], list[torch.Tensor | None]], None],
         device: torch.device,
     ) -> None:
         self.units, self.vote, self.device = units, vote, device
@@ -143,19 +143,19 @@ class UnitVotes:
         if not self.running:  # the first vote of this backward: join them all at its end
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         ready = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
-        self.running.append(self.worker.submit(self._vote, params, grads, ready))
+        self.running.append(self.worker.submit(self._vote, unit, params, grads, ready))
 
-    def _vote(self, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready) -> object:
+    def _vote(self, unit: int, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready) -> object:
         with torch.no_grad():  # grad mode is per thread
             if ready is None:
-                self.vote(params, grads)
+                self.vote(unit, params, grads)
                 return None
             with torch.cuda.device(self.device):
                 if self.stream is None:
                     self.stream = torch.cuda.Stream(self.device)
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(ready)
-                    self.vote(params, grads)
+                    self.vote(unit, params, grads)
                     return self.stream.record_event()
 
     def finish(self) -> None:

@@ -194,7 +194,7 @@ def test_the_fsdp_unit_vote_reads_the_host_on_its_worker_not_on_the_autograd_thr
         specs = [ShardSpec((32, 16), key=0), ShardSpec((32, 16), key=1)]
         release, threads = threading.Event(), []
 
-        def vote(unit, grads):
+        def vote(unit, params, grads):
             release.wait(timeout=60)
             threads.append(threading.current_thread())
             voter.vote([g[:16] for g in grads], specs, lambda i, g: g, lambda i, t: t, None, step=0, label="t")

@@ -179,10 +179,11 @@ def vote_in_place(
     stats: CommStats | None,
     label: str,
     input_nonfinite: torch.Tensor | None = None,
+    tag: int | None = None,
 ) -> torch.Tensor:
-    """:func:`majority_vote` of ``tensor`` into itself at ``step`` (which tags the call too),
-    for callers whose sizes agree by construction (an optimizer's step: its parameter shapes are
-    compared with its settings)."""
+    """:func:`majority_vote` of ``tensor`` into itself at ``step``, tagged ``tag`` (default:
+    ``step``), for callers whose sizes agree by construction (an optimizer's step: its parameter
+    shapes are compared with its settings)."""
     work = VoteWork(
         tensor,
         group,
@@ -192,7 +193,7 @@ def vote_in_place(
         out=tensor,
         stats=stats,
         label=label,
-        tag=step,
+        tag=step if tag is None else tag,
         input_nonfinite=input_nonfinite,
         agree_sizes=False,
     )
