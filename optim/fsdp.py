@@ -152,12 +152,13 @@ class ShardedExchange(Exchange):
                 label=label,
             )
         except VoteMismatchError as error:
-            if unit is None:
+            if self.units is None:
                 raise
             raise VoteMismatchError(
                 f"{error}. The vote during backward takes FSDP units in the order they close (tag: step x "
-                f"{units + 1} + unit + 1), which must be the same on every node; where data-dependent control flow "
-                "changes it, pass during_backward=False to register_fsdp_vote"
+                f"{units + 1} + unit + 1; + 0 for what no unit reduced, voted in step()), which must be the same on "
+                "every node; where data-dependent control flow changes it, pass during_backward=False to "
+                "register_fsdp_vote"
             ) from error
         self.skipped |= self.voter.stats.skipped != skipped
         self.results.update(zip([p for _, p, _ in voted + averaged], signs + means))

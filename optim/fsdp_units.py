@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from signmuon.comm_hooks import NonFiniteError, VoteMismatchError
 from signmuon.comm_hooks.shard_vote import ShardSpec
 
 from .params import local_tensor
@@ -78,6 +79,9 @@ class UnitVotes:
         self.units, self.vote, self.device = units, vote, device
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="signmuon-fsdp-vote")
         self.running: list[Future] = []
+        self.failed = False
+        """Whether a vote of this backward raised an error every rank raises alike (a mismatch, a
+        NaN under ``nonfinite="raise"``): the later votes then issue nothing, as on every other rank."""
         self.stream = None  # the worker's CUDA stream, made on first use
         self.unit_of = {p: i for i, params in enumerate(units) for p in params}
         # One rank's shard in FSDP2's reduce-scatter output: dimension 0 padded to a multiple of the ranks.
@@ -146,23 +150,30 @@ class UnitVotes:
         self.running.append(self.worker.submit(self._vote, unit, params, grads, ready))
 
     def _vote(self, unit: int, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready) -> object:
-        with torch.no_grad():  # grad mode is per thread
-            if ready is None:
-                self.vote(unit, params, grads)
-                return None
-            with torch.cuda.device(self.device):
-                if self.stream is None:
-                    self.stream = torch.cuda.Stream(self.device)
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(ready)
+        if self.failed:
+            return None
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                if ready is None:
                     self.vote(unit, params, grads)
-                    return self.stream.record_event()
+                    return None
+                with torch.cuda.device(self.device):
+                    if self.stream is None:
+                        self.stream = torch.cuda.Stream(self.device)
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        self.vote(unit, params, grads)
+                        return self.stream.record_event()
+        except (VoteMismatchError, NonFiniteError):
+            self.failed = True
+            raise
 
     def finish(self) -> None:
         """At the end of backward (and at ``step()``): wait for every unit's vote (raising the
         first error, after all ended) and check that no unit was left half reduced."""
         running, self.running = self.running, []
         errors = [f.exception() for f in running]
+        self.failed = False
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error

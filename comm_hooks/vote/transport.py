@@ -172,8 +172,9 @@ class TransportWork:
             described = "; ".join(
                 f"rank {r}: {describe_shape(s)}, tag {t}" for r, (s, t) in enumerate(zip(shapes, tags))
             )
+            differ = "tensors" if len(set(shapes)) > 1 else "calls (tags)"
             raise VoteMismatchError(
-                f"ranks entered {self._label or 'the same collective'} with different tensors ({described}); "
+                f"ranks entered {self._label or 'the same collective'} with different {differ} ({described}); "
                 "every rank must pass the same entry count and dtype in the same call order"
             )
 
