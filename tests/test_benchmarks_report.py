@@ -2,6 +2,7 @@
 every page agrees with its JSON now, a page that disagrees is found and rewritten, and every
 image in the docs is drawn from JSON by ``signmuon-bench report``."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -110,8 +111,6 @@ def _train(method: str, finals: list[list[float]], target: float | None = None) 
 
 
 def test_choosing_weighs_the_step_by_the_measured_steps_to_the_target(tmp_path):
-    import json
-
     # One model, two links: Signum-MV's step is the fastest at both, but it never reaches the
     # target; SignMuon reaches it in 2/3 of the steps: first at the slow link (1.5 s · 2/3 = 1.0 s
     # against fp32's 3.0 s), not at the fast one (1.8 s · 2/3 = 1.2 s against 1.0 s).
@@ -136,3 +135,24 @@ def test_choosing_weighs_the_step_by_the_measured_steps_to_the_target(tmp_path):
     steps = regenerate(f"<!-- report steps {spec} -->\n<!-- /report -->", str(tmp_path))
     assert "| Signum-MV | Signum-MV: the vote of each worker's momentum signs | never (0/2 seeds) |" in steps
     assert "| SignMuon | SignMuon, node-aware (Newton-Schulz split in the node) | 0.67 |" in steps
+
+
+def test_the_step_table_names_each_runs_link_and_divides_by_the_vote_in_step(tmp_path):
+    def rows(during, in_step):
+        common = {"params": 2e6, "between_nodes_bytes_per_rank": 1e6}
+        return [
+            {**common, "method": "fsdp_signum_mv", "step_s": during, "between_nodes_in_backward_share": 1.0},
+            {**common, "method": "fsdp_signum_mv_in_step", "step_s": in_step, "between_nodes_in_backward_share": 0.0},
+        ]
+
+    shaped = "signmuon-bench netem --world-size 4 --ranks-per-node 2 --rate 100mbit -- ddp-step --methods x"
+    files = {
+        "shaped.json": {"command": shaped, "rows": rows(0.6, 0.8)},
+        "loopback.json": {"command": "signmuon-bench ddp-step --world-size 4", "rows": rows(0.5, 0.4)},
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    table = regenerate("<!-- report step shaped.json loopback.json -->\n<!-- /report -->", str(tmp_path))
+    assert "| 100mbit | 2.0M | 0.600 | 0.75× | 1.00 | 100% |" in table
+    assert "| loopback | 2.0M | 0.500 | 1.25× | 1.00 | 100% |" in table
+    assert "_in_step" not in table and table.count("| 2.0M |") == 2

@@ -94,15 +94,25 @@ def train_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _link_of(command: str) -> str:
+    """The link between nodes a report's command ran on: netem's ``--rate``, else loopback."""
+    words = command.split()
+    if "netem" in words and "--rate" in words:
+        return words[words.index("--rate") + 1]
+    return "loopback"
+
+
 def step_table(reports: list[dict]) -> str:
-    """``ddp-step`` rows: the median step, its ratio to the same method voting in ``step()``
-    (``<method>_in_step`` of the same run), MB between nodes per rank, and the share of them
-    sent during backward."""
+    """``ddp-step`` rows: the link between nodes, the median step, its ratio to the same method
+    voting in ``step()`` (``<method>_in_step`` of the same run), MB between nodes per rank, and
+    the share of them sent during backward."""
     lines = [
-        "| method | model parameters | step s | × the vote in step() | MB between nodes / rank | sent during backward |",
-        "|---|---|---|---|---|---|",
+        "| method | link | model parameters | step s | × the vote in step() | MB between nodes / rank "
+        "| sent during backward |",
+        "|---|---|---|---|---|---|---|",
     ]
     for report in reports:
+        link = _link_of(report.get("command", ""))
         rows = {r["method"]: r for r in report["rows"]}
         for method, r in rows.items():
             if method.endswith("_in_step"):
@@ -110,7 +120,7 @@ def step_table(reports: list[dict]) -> str:
             in_step = rows.get(f"{method}_in_step")
             ratio = f"{r['step_s'] / in_step['step_s']:.2f}×" if in_step else "-"
             lines.append(
-                f"| {method_label(method)} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {ratio} | "
+                f"| {method_label(method)} | {link} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {ratio} | "
                 f"{r['between_nodes_bytes_per_rank'] / 1e6:.2f} | {r['between_nodes_in_backward_share']:.0%} |"
             )
     return "\n".join(lines)
