@@ -6,6 +6,15 @@ import os
 
 import pytest
 
+TWO_NODES = ["--world-size", "4", "--ranks-per-node", "2", "--rate", "1gbit", "--"]
+"""netem's arguments for 2 emulated nodes of 2 ranks, 1 Gbit/s between them."""
+
+
+def _counters_hold_the_count(report: dict) -> None:
+    """Each node's interface sent about the bytes the methods counted between nodes."""
+    for sent in report["tx_bytes_per_node"]:
+        assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
+
 
 def test_emulated_network_harness_two_ranks_and_cleanup():
     # Two ranks in their own network namespaces over a rate-limited bridge (needs root and
@@ -121,14 +130,8 @@ def test_emulated_nodes_count_the_bytes_between_them():
     from signmuon.benchmarks.commands import netem
 
     report = netem.main(
-        [
-            "--world-size",
-            "4",
-            "--ranks-per-node",
-            "2",
-            "--rate",
-            "1gbit",
-            "--",
+        TWO_NODES
+        + [
             "bandwidth",
             "--sizes",
             "1M",
@@ -141,8 +144,7 @@ def test_emulated_nodes_count_the_bytes_between_them():
         ]
     )
     assert len(report["tx_bytes_per_node"]) == 2
-    for sent in report["tx_bytes_per_node"]:
-        assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
+    _counters_hold_the_count(report)
 
 
 def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state():
@@ -150,14 +152,7 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
     # counters see them, and optimizer state per rank half of the replicated optimizer's.
     from signmuon.benchmarks.commands import netem
 
-    argv = [
-        "--world-size",
-        "4",
-        "--ranks-per-node",
-        "2",
-        "--rate",
-        "1gbit",
-        "--",
+    argv = TWO_NODES + [
         "ddp-step",
         "--width",
         "512",
@@ -174,8 +169,7 @@ def test_fsdp_rows_count_the_bytes_between_nodes_and_hold_a_shard_of_the_state()
     (fsdp,) = report["rows"]
     assert fsdp["state_bytes"] * 2 == 4 * fsdp["params"]  # L = 2: half of one float32 momentum
     assert fsdp["nodes"] == "2x2" and fsdp["between_nodes_bytes_per_rank"] > 0
-    for sent in report["tx_bytes_per_node"]:  # the votes, plus rendezvous, settings check and timing collectives
-        assert 0.95 * report["algorithmic_bytes_per_node"] <= sent <= 1.25 * report["algorithmic_bytes_per_node"]
+    _counters_hold_the_count(report)  # the votes, plus rendezvous, settings check and timing collectives
 
 
 def test_a_small_validation_predicts_each_point_with_the_cost_model(capsys):

@@ -110,10 +110,10 @@ def validate(
 
     The model gets what a user would give it: the model's size and matrix shapes (``ddp-step``'s
     MLP); from one unshaped run, the compute time (at which the model gives the fp32 all-reduce's
-    step measured at ``base``: :func:`~signmuon.benchmarks.cost.model.compute_for`) and, per vote, what ``ddp-step`` prints of it: the
-    zeros' bits (its bits per entry less one, to two decimals) and the vote's kernel time per
-    step on these gradients (the hook's host seconds encoding, voting and decoding, zeros
-    included; an all-reduce keeps the kernels measured by
+    step measured at ``base``: :func:`~signmuon.benchmarks.cost.model.compute_for`) and, per
+    vote, what ``ddp-step`` prints of it: the zeros' bits (its bits per entry less one, to two
+    decimals) and the vote's kernel time per step on these gradients (the hook's host seconds
+    encoding, voting and decoding, zeros included; an all-reduce keeps the kernels measured by
     :func:`~signmuon.benchmarks.cost.kernels.measure_workload`); Newton–Schulz's throughput
     measured on this CPU; and the link: its rate (one shaped NIC per node; loopback inside a node
     taken at ``base``) and its latency (:func:`~signmuon.benchmarks.cost.kernels.measure_latency`).
