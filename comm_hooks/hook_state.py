@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .ddp_group import ddp_model_of, group_ranks, resolve_group
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
 from .kernels.bits import SignSegments
 from .pipeline import VotePipeline
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _PROCESS_SLOTS = (
     "process_group",
+    "gradients_may_lack",
     "pending",
     "settings_checked",
     "param_keys",
@@ -88,6 +90,7 @@ class VoteHookState:
     def _start_process_state(self) -> None:
         """What belongs to this process, never saved: made new at construction and at unpickling."""
         self.settings_checked = False
+        self.gradients_may_lack = True  # whether DDP may hand zeros for a missing gradient (learnt at the first call)
         self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
         self.bucket_calls = 0  # hook calls so far in this iteration
         self.errors = DeferredErrors()  # NonFiniteError raised once DDP's backward is done
@@ -122,8 +125,7 @@ class VoteHookState:
         """Consistency checks at the start of each hook call (collectives on this thread)."""
         flat = bucket.buffer()
         if not self.settings_checked:
-            check_same_settings(self.settings(), self.process_group, what=f"{type(self).__name__} settings")
-            self.settings_checked = True
+            self.check_group_and_settings(bucket)
         if self.bucket_calls == 0:
             self.node_layout()
             if not self.headers_agree or self.check_replicas_every:  # the same decision on every rank
@@ -141,6 +143,22 @@ class VoteHookState:
             params = bucket.parameters()
             names = [f"bucket {bucket.index()} parameter {j} (shape {tuple(p.shape)})" for j, p in enumerate(params)]
             check_replicas(params, self.process_group, names=names)
+
+    def check_group_and_settings(self, bucket: dist.GradBucket) -> None:
+        """At the first call: vote over the DDP model's group (``ddp_group``), then compare the
+        settings on every rank; a group other than DDP's is refused on every rank alike."""
+        name = type(self).__name__
+        ddp = ddp_model_of(bucket.parameters())
+        self.process_group, refusal = resolve_group(
+            self.process_group, None if ddp is None else ddp.process_group, name
+        )
+        # DDP hands zeros where a rank has no gradient; without find_unused_parameters only Join does.
+        self.gradients_may_lack = ddp is None or ddp.find_unused_parameters
+        voters = {"voters": group_ranks(self.process_group), "group is DDP's": refusal is None}
+        check_same_settings({**self.settings(), **voters}, self.process_group, what=f"{name} settings")
+        self.settings_checked = True
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def check_called_by_first_step(self, optimizer: torch.optim.Optimizer, fix: str = "") -> None:
         """Raise ``RuntimeError`` at ``optimizer``'s first step if the hook has not run by then (a

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .allreduce import mean_all_reduce_future
 from .dist import group_size_rank, nonfinite_flag
 from .hook_state import VoteHookState
+from .kernels.bits import advance_momentum_unless
 from .vote import MomentumStep, VoteConfig, merge_in_node, node_slice
 
 __all__ = ["SignVoteState", "sign_vote_hook"]
@@ -236,7 +237,34 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
         return state.vote(bucket, grad, out=grad)
     if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it
         return state.vote(bucket, grad, out=grad, node_momentum=(state.momentum_buffer(bucket, grad), state.momentum))
-    # The momentum advances while it is packed (one pass on a GPU); a NaN gradient leaves it.
     bad = nonfinite_flag(grad)
-    step = MomentumStep(grad, 1.0 - state.momentum, bad)
-    return state.vote(bucket, state.momentum_buffer(bucket, grad), out=grad, input_nonfinite=bad, momentum=step)
+    buf = state.momentum_buffer(bucket, grad)
+    present = _present_entries(state, bucket)
+    if present is None:
+        # The momentum advances while it is packed (one pass on a GPU); a NaN gradient leaves it.
+        step = MomentumStep(grad, 1.0 - state.momentum, bad)
+        return state.vote(bucket, buf, out=grad, input_nonfinite=bad, momentum=step)
+    # A parameter without a gradient here (all zeros from DDP) abstains: lerp toward the momentum
+    # itself leaves it exactly, and it votes 0.
+    advance_momentum_unless(buf, torch.where(present, grad.to(buf.dtype), buf), 1.0 - state.momentum, bad)
+    return state.vote(bucket, buf * present, out=grad, input_nonfinite=bad)
+
+
+def _present_entries(state: SignVoteState, bucket: dist.GradBucket) -> torch.Tensor | None:
+    """Per entry of the bucket, whether its parameter has a gradient on this rank (not zero
+    everywhere, which is what DDP hands a joined rank or one that did not use the parameter);
+    None where every parameter has one for sure: known without reading the device."""
+    if not (state.gradients_may_lack or _outside_backward()):
+        return None  # DDP without find_unused_parameters, inside backward: every parameter has one
+    grad = bucket.buffer()
+    layout = state._layout(bucket)
+    flags = torch.stack([grad[offset : offset + numel].ne(0).any() for _, offset, numel in layout])
+    mask = torch.ones(grad.numel(), dtype=torch.bool, device=grad.device)
+    for (_, offset, numel), flag in zip(layout, flags):
+        mask[offset : offset + numel] = flag
+    return mask
+
+
+def _outside_backward() -> bool:
+    """Whether no backward pass is running: DDP's ``Join`` calls the hook of a joined rank so, on zeros."""
+    return torch._C._current_graph_task_id() == -1

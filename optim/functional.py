@@ -70,9 +70,15 @@ def signum_direction(
     nesterov: bool = False,
     param: torch.Tensor | None = None,
     coupled_weight_decay: float = 0.0,
+    present: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advance ``momentum`` with ``grad`` (plus ``coupled_weight_decay * param``) and return the
     direction whose signs are voted: the momentum, or its Nesterov look-ahead ``G.lerp(M, beta)``.
+
+    ``present`` (0-d bool): whether this worker has a gradient at all. Where it is not set the
+    worker abstains: the momentum stays put and the direction is zero (it votes 0), as a rank
+    without a gradient must (DDP hands such a rank zeros, under ``Join`` or for an unused
+    parameter, instead of nothing).
 
     ``beta == 0`` is signSGD: the gradient itself, no momentum kept. A gradient holding NaN or
     Inf never enters the momentum, and the direction keeps them (the look-ahead carries the
@@ -84,13 +90,24 @@ def signum_direction(
     if coupled_weight_decay:
         grad = grad.add(param, alpha=coupled_weight_decay)
     if beta == 0:
-        return grad
-    bad = advance_momentum(momentum, grad, beta)
+        return grad  # an absent gradient is zero: it votes 0 and there is no momentum to keep
+    bad = nonfinite_flag(grad)
+    if momentum.device.type == "cpu":  # a branch on both flags, read at once
+        is_bad, has = (bool(bad), True) if present is None else torch.stack([bad, present]).tolist()
+        if not has:
+            return torch.zeros_like(momentum)
+        if not is_bad:  # a non-finite gradient never enters the momentum
+            momentum.lerp_(grad.to(momentum.dtype), 1.0 - beta)
+        if nesterov:
+            return grad.to(momentum.dtype).lerp(momentum, beta)
+        return grad if is_bad else momentum
+    # On a device, selects (no host read).
+    advance_momentum_unless(momentum, grad, 1.0 - beta, bad if present is None else bad | ~present)
     if nesterov:
-        return grad.to(momentum.dtype).lerp(momentum, beta)
-    if momentum.device.type == "cpu":
-        return grad if bool(bad) else momentum
-    return torch.where(bad, grad.to(momentum.dtype), momentum)  # a select on the device, no host read
+        direction = grad.to(momentum.dtype).lerp(momentum, beta)
+    else:
+        direction = torch.where(bad, grad.to(momentum.dtype), momentum)
+    return direction if present is None else torch.where(present, direction, 0.0)
 
 
 def orthogonalize(

@@ -26,6 +26,7 @@ from signmuon.comm_hooks import (
     VoteConfig,
     sign_muon_hook,
 )
+from signmuon.comm_hooks.ddp_group import resolve_group
 from signmuon.comm_hooks.dist import nonfinite_flag
 
 from .checkpoint import keep_saved_dtypes
@@ -168,7 +169,13 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     def route(self, param: torch.Tensor) -> tuple[dict[str, Any], str]:
         """(param group, path) of ``param``."""
         if param not in self._paths:
-            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not managed by this {type(self).__name__}")
+            name = type(self).__name__
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} is not managed by this {name}: the vote must know "
+                f"every parameter of the model it serves, so pass them all to the one {name} (SignMuon's "
+                "non_matrix='adamw' gives the non-matrix ones AdamW on the mean gradient), or keep the others "
+                "out of the DDP model the hook is registered on"
+            )
         index, path = self._paths[param]
         return self.param_groups[index], path
 
@@ -185,9 +192,12 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     # -- the math: pure functions, one call each --------------------------------------------
 
     @torch.no_grad()
-    def elementwise_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def elementwise_direction(
+        self, param: torch.Tensor, grad: torch.Tensor, present: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The part of the pre-vote half that works entry by entry (on a shard too): advance
-        ``param``'s momentum with ``grad`` (:func:`~signmuon.optim.functional.signum_direction`)."""
+        ``param``'s momentum with ``grad`` (:func:`~signmuon.optim.functional.signum_direction`);
+        ``present`` (0-d bool) unset: this worker has no gradient, abstains, its momentum stays."""
         group, _ = self.route(param)
         return signum_direction(
             grad,
@@ -196,6 +206,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
             nesterov=group.get("nesterov", False),
             param=self.update_target(param),
             coupled_weight_decay=group.get("coupled_weight_decay", 0.0),
+            present=present,
         )
 
     def whole_direction(self, param: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
@@ -205,8 +216,12 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def local_direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Pre-vote half on this worker: :meth:`elementwise_direction`, then :meth:`whole_direction`
-        (skipped where the direction is a non-finite gradient itself: every rank skips the vote)."""
-        direction = self.elementwise_direction(param, grad)
+        (skipped where the direction is a non-finite gradient itself: every rank skips the vote).
+
+        A gradient that is zero everywhere counts as none (the worker abstains, its momentum stays
+        put): DDP hands zeros to a rank that has no gradient (under ``Join``, a parameter unused on
+        this rank), and an exactly zero gradient of a whole tensor cannot be told from that."""
+        direction = self.elementwise_direction(param, grad, grad.ne(0).any())
         if self.route(param)[1] not in self.whole_paths or direction is grad and bool(nonfinite_flag(grad)):
             return direction
         return self.whole_direction(param, direction)
@@ -258,7 +273,13 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         return isinstance(self.exchange, HookExchange)
 
     def register_comm_hook(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> SignMuonHookState:
-        """``ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)``; returns the state."""
+        """``ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)``; returns the state.
+        The vote runs over DDP's process group (a ``process_group`` given here must have its ranks)."""
+        if isinstance(self.exchange, InStepExchange):
+            group, refusal = resolve_group(self.process_group, ddp_model.process_group, type(self).__name__)
+            if refusal is not None:
+                raise ValueError(refusal)
+            self.process_group = group
         ddp_model.register_comm_hook(self.comm_state, sign_muon_hook)
         return self.comm_state
 
@@ -300,14 +321,16 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus the step count and world size, as the exchange saves it (with
-        ``checkpoint_all_ranks``, a collective; on FSDP shards, DTensors for DCP)."""
+        """torch's state dict plus the step count and whose state it is (rank, world size), as the
+        exchange saves it (with ``checkpoint_all_ranks``, a collective; on FSDP shards, DTensors for DCP)."""
         return self.exchange.state_dict(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict()``, after checking it fits: same world size (the momentum is each
-        rank's own), and per parameter the same state keys, shapes and floating dtypes. State
-        keeps the dtype it was saved in (float32 momentum of bfloat16 parameters stays float32)."""
+        """Load a ``state_dict()``, after checking it fits: same world size and this rank's own
+        momentum (each rank's is its own: another rank's state is refused, on every rank at once,
+        so on several ranks every rank loads), and per parameter the same state keys, shapes and
+        floating dtypes. State keeps the dtype it was saved in (float32 momentum of bfloat16
+        parameters stays float32)."""
         loaded = self.exchange.load_state_dict(self, state_dict)
         super().load_state_dict(loaded)
         keep_saved_dtypes(self, loaded)

@@ -8,6 +8,7 @@ hardware fault, a rank-dependent code path) would otherwise go unnoticed for day
 from __future__ import annotations
 
 import hashlib
+import json
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -74,11 +75,41 @@ def check_same_settings(
     digests = digests.view(-1).tolist()
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
-        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items(), key=lambda kv: str(kv[0])))
+        # Rare and fatal: a second gather of every rank's settings, to name the fields first.
+        everyone = _gather_texts({str(k): _canonical(v) for k, v in settings.items()}, group)
         raise SettingsMismatchError(
-            f"{what} differ between ranks: rank(s) {differing} disagree with rank 0. "
-            f"This rank ({rank}) has: {shown}"
+            f"{what} differ between ranks in {_differences(everyone)} (rank(s) {differing} disagree with rank 0). "
+            f"This rank ({rank}) has: "
+            + ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items(), key=lambda kv: str(kv[0])))
         )
+
+
+def _gather_texts(fields: dict[str, str], group: dist.ProcessGroup | None) -> list[dict[str, str]]:
+    """Every rank's ``fields``: their JSON's bytes, padded to the longest (two fixed-size gathers)."""
+    device = group_device(group)
+    raw = torch.tensor(list(json.dumps(fields).encode()), dtype=torch.uint8, device=device)
+    lengths = gather_rows(torch.tensor([raw.numel()], dtype=torch.int64, device=device), group).view(-1).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: raw.numel()] = raw
+    rows = gather_rows(padded, group).cpu()
+    return [json.loads(bytes(row[:n].tolist()).decode()) for row, n in zip(rows, lengths)]
+
+
+def _differences(everyone: list[dict[str, str]]) -> str:
+    """The fields whose values differ between ranks, each with every rank's value (``momentum``
+    (rank 0: 0.9, rank 1: 0.5)); a field some ranks lack reads ``missing``."""
+    fields = sorted({key for ranks_settings in everyone for key in ranks_settings})
+    parts = []
+    for key in fields:
+        values = [ranks_settings.get(key, "missing") for ranks_settings in everyone]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {_short(v)}" for r, v in enumerate(values))
+            parts.append(f"{key} ({shown})")
+    return "; ".join(parts) or "their settings"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit word
