@@ -6,9 +6,10 @@
   (``OuterStep.diloco()`` is DiLoCo), and :mod:`.pseudo_gradients`, how they are combined;
 * :mod:`.consensus`: the consensus state and the checks every round starts with;
 * :mod:`.rails`: node-aware rounds, each local rank's slice over its rail;
-* :mod:`.post_local_sgd`: the wiring into DDP and ``PostLocalSGDOptimizer``.
+* :mod:`.post_local_sgd`: the wiring into DDP and ``PostLocalSGDOptimizer``;
+* :mod:`.aliases`: tied weights and tensors that share memory.
 
-Typical use, with torch's post-local-SGD machinery unchanged::
+Typical use (torch's ``PostLocalSGDOptimizer`` underneath; save ``opt.state_dict()`` to resume)::
 
     model = DDP(net)
     averager = LocalStepAverager(period=8, warmup_steps=100, pull=0.5, push=0.05, module=model.module)

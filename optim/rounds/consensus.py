@@ -25,7 +25,10 @@ from .outer_step import OuterStep
 from .pseudo_gradients import RULES, combine_pseudo_gradients, scale_blocks
 from .rails import gather_slices, rail_bounds, rail_group
 
-__all__ = ["Consensus", "check_shards", "round_flags"]
+__all__ = ["CALLS", "Consensus", "agree_on_call", "check_shards", "round_flags"]
+
+CALLS = ("a local-step round", "consensus_state_dict")
+"""The averager's collectives, as :func:`agree_on_call` names them."""
 
 
 class Consensus:
@@ -137,27 +140,70 @@ class Consensus:
         self.rounds = int(state["rounds"])
 
 
+def agree_on_call(
+    call: str,
+    steps: int,
+    params: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    stats: CommStats | None,
+    *,
+    settings: int,
+    restored_without_consensus: bool = False,
+) -> None:
+    """Raise on every rank unless every rank enters the same collective of the averager
+    (``call``, one of :data:`CALLS`) after the same number of optimizer steps, with the same
+    parameter shapes, ``settings`` digest and consensus. One all-gather of six words, the same
+    row for every call: a rank a step ahead (in a round while the others ask for the consensus,
+    or asking for it at another step) meets the others here and raises ``VoteMismatchError``
+    naming each rank's call and steps, instead of entering a collective the others do not
+    (gloo aborts, NCCL hangs). ``restored_without_consensus``: this rank's step was restored but
+    not its consensus (``ValueError`` on every rank where all agree on it)."""
+    shapes = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
+    fields = {
+        "call": CALLS.index(call),
+        "steps": steps,
+        "parameters": len(params),
+        "shapes": shapes,
+        "settings": settings,
+        "consensus": int(restored_without_consensus),
+    }
+    agree(
+        fields,
+        group,
+        what="a local-step round or consensus_state_dict (every rank enters them after as many optimizer steps)",
+        describe={"call": CALLS.__getitem__, "consensus": lambda word: "not restored" if word else "its own"},
+        stats=stats,
+    )
+    if restored_without_consensus:
+        raise ValueError(
+            f"the averager's step ({steps}) was restored without its consensus and outer optimizer "
+            "(PostLocalSGDOptimizer.load_state_dict alone): load LocalStepAverager.state_dict() too, or resume "
+            "through local_sgd's optimizer, whose state_dict holds it"
+        )
+
+
 @torch.no_grad()
 def round_flags(
     params: list[torch.Tensor],
     buffers: list[torch.Tensor],
     group: dist.ProcessGroup,
-    step: int,
+    steps: int,
     stats: CommStats,
     *,
     settings: int = 0,
     unchecked: bool = False,
+    restored_without_consensus: bool = False,
 ) -> tuple[list[torch.Tensor], list[int], bool]:
     """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
-    ``buffers``, whether any rank is ``unchecked``): one all-gather, after checking that every
-    rank is at the same step with the same parameter shapes and ``settings`` digest (else
-    ``VoteMismatchError`` on every rank, rather than a collective of mismatched sizes).
-    Parameters with a gradient on any rank take part everywhere, so one unused on a single rank
-    is still averaged consistently."""
+    ``buffers``, whether any rank is ``unchecked``): one all-gather, after :func:`agree_on_call`
+    has checked that every rank is in a round after ``steps`` optimizer steps with the same
+    parameter shapes and ``settings`` digest (else ``VoteMismatchError`` on every rank, rather
+    than a collective of mismatched sizes). Parameters with a gradient on any rank take part
+    everywhere, so one unused on a single rank is still averaged consistently."""
     device = group_device(group)
-    shapes = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
-    fields = {"step": step, "parameters": len(params), "shapes": shapes, "settings": settings}
-    agree(fields, group, what="a local-step round", stats=stats)
+    agree_on_call(
+        CALLS[0], steps, params, group, stats, settings=settings, restored_without_consensus=restored_without_consensus
+    )
     # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
     flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
     flags[-1, 0] = int(unchecked)

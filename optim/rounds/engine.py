@@ -22,13 +22,16 @@ from signmuon.comm_hooks.dist import (
     NonFiniteError,
     check_same_settings,
     flatten,
+    group_size_rank,
     mean_all_reduce,
     settings_digest,
+    split_like,
     unflatten_into,
 )
 
 from ..params import local_tensor
-from .consensus import Consensus, check_shards, round_flags
+from .aliases import clone_once, refuse_shared_memory
+from .consensus import Consensus, agree_on_call, check_shards, round_flags
 from .dppf import pull_push, worker_distances
 from .outer_step import OuterStep
 from .rails import mean_between_nodes
@@ -85,12 +88,19 @@ class LocalStepAverager(ModelAverager):
     ``mean_distance`` / ``max_distance`` are then this shard's.
 
     Each round starts with small all-gathers that make it safe against what differs between
-    ranks (:func:`~signmuon.optim.rounds.consensus.round_flags`): a mismatch raises on every rank.
+    ranks (:func:`~signmuon.optim.rounds.consensus.round_flags`): a mismatch raises on every rank,
+    and so does a rank that reaches a round or :meth:`consensus_state_dict` after another number
+    of optimizer steps than the others. Tied weights (one Parameter under several names) take
+    part once; two Parameters over the same memory are refused.
 
     Statistics (read them off the object): ``rounds``, ``mean_distance``, ``max_distance``
     (worker distance to x_bar at the last round, before the update: the measured valley
     width), ``stats`` (bytes all-reduced, a :class:`CommStats`; ``stats.skipped``: rounds skipped).
     """
+
+    _step = 0
+    _consensus_loaded = False  # the consensus came from a state dict, with the step it was saved at
+    _restored_without_consensus = False
 
     def __init__(
         self,
@@ -128,15 +138,30 @@ class LocalStepAverager(ModelAverager):
         # Settings are compared at a fresh averager's first call (a mismatch fails before any
         # training) and at every round (so a replica that rejoins with a loaded state is too).
         self._settings_checked = False
-        self.layout = _check_layout(layout)
+        self.layout = _check_layout(layout, self.process_group)
         self.outer = outer
         self.consensus = None
         if module is not None:
             check_shards(module, self.process_group, self.push, self.layout)
+            refuse_shared_memory(_trained(module), _names(module))
         if outer is not None:
             params = [local_tensor(p) for p in module.parameters() if p.requires_grad]
             self.consensus = Consensus(_by_dtype_and_device(params), outer, self.process_group, self.layout)
             self._consensus_checked = False  # compared at the first round after construction or a load
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps this averager has seen (``PostLocalSGDOptimizer`` saves and sets it)."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        # Set from outside past the warm-up (PostLocalSGDOptimizer.load_state_dict) on an averager
+        # whose consensus was built here: that consensus is not the restored step's.
+        value = int(value)
+        if getattr(self, "consensus", None) is not None and not self._consensus_loaded and value != self._step:
+            self._restored_without_consensus = value >= self.warmup_steps
+        self._step = value
 
     def is_round(self, step: int | None = None) -> bool:
         """Whether ``step`` (default: the next one) averages."""
@@ -153,9 +178,7 @@ class LocalStepAverager(ModelAverager):
         As torch's averagers do, only parameters that have a gradient take part, here those
         with a gradient on any rank (so every rank averages the same set).
         """
-        if not self._settings_checked:
-            check_same_settings(_settings(self), self.process_group, what="LocalStepAverager settings")
-            self._settings_checked = True
+        self._check_settings()
         params = _all_params(params)
         if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
             params = _in_module_order(self.module, params)
@@ -163,10 +186,17 @@ class LocalStepAverager(ModelAverager):
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
                 self.consensus.reset([flatten(tensors) for tensors in groups])
         if self.is_round():
+            refuse_shared_memory(params, _names(self.module) if self.module is not None else None)
             agreed = self._agreed_params(params)
             if agreed is not None:
                 self._round(params if self.consensus is not None else agreed)
-        self.step += 1
+        self._step += 1
+
+    def _check_settings(self) -> None:
+        """At a fresh averager's first collective: the same settings on every rank."""
+        if not self._settings_checked:
+            check_same_settings(_settings(self), self.process_group, what="LocalStepAverager settings")
+            self._settings_checked = True
 
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The parameters every rank averages this round, or None when the round is skipped."""
@@ -177,10 +207,11 @@ class LocalStepAverager(ModelAverager):
             params,
             self._buffers(),
             self.process_group,
-            self.step,
+            self.step + 1,  # the steps taken, this one included
             self.stats,
             settings=settings_digest(_settings(self)),
             unchecked=unchecked,
+            restored_without_consensus=self._restored_without_consensus,
         )
         if check_consensus:  # some rank is new to this consensus (first round, or loaded): all compare
             self.consensus.check_same_start(self.stats)
@@ -231,19 +262,39 @@ class LocalStepAverager(ModelAverager):
     def consensus_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with every floating-point tensor replaced by its mean over the
         workers (x_bar), and with an outer step the parameters by the consensus: the model to
-        evaluate or save. A collective: call it on every rank. The workers' own parameters are
-        left untouched, and ``stats`` does not count this (evaluation traffic, not training)."""
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        from_consensus = set()
+        evaluate or save. Every name of a tied tensor carries its value (the names share one
+        tensor, as in ``module.state_dict()``). A collective: call it on every rank after as
+        many optimizer steps (else ``VoteMismatchError`` on every rank, naming each rank's
+        steps). The workers' own parameters are left untouched, and ``stats`` does not count
+        this (evaluation traffic, not training)."""
+        self._check_settings()
+        params = _trained(module)
+        if self.consensus is not None and [id(p) for p in params] != [id(p) for p in _trained(self.module)]:
+            raise ValueError(
+                "consensus_state_dict(module): its parameters that require grad are not those the consensus "
+                "was made of (LocalStepAverager(module=...)'s); pass that module (or the DDP model around it)"
+            )
+        agree_on_call(
+            "consensus_state_dict",
+            self.step,
+            params,
+            self.process_group,
+            None,
+            settings=settings_digest(_settings(self)),
+            restored_without_consensus=self._restored_without_consensus,
+        )
+        state = clone_once(module.state_dict())
+        written: set[int] = set()
         if self.consensus is not None:
-            names = {p: name for name, p in module.named_parameters()}
-            params = [p for p in module.parameters() if p.requires_grad]
+            names = _all_names(module)
             for tensors, whole in zip(_by_dtype_and_device(params), self.consensus.whole()):
-                unflatten_into(whole, [local_tensor(state[names[p]]) for p in tensors])
-                from_consensus.update(names[p] for p in tensors)
-        floats = [v for k, v in state.items() if v.is_floating_point() and k not in from_consensus]
+                written |= _write(whole, tensors, names, state)
+        floats = [v for v in _distinct(state.values()) if v.is_floating_point() and id(v) not in written]
         for tensors in _by_dtype_and_device(floats):
-            unflatten_into(mean_all_reduce(flatten(tensors), self.process_group), tensors)
+            unflatten_into(
+                mean_all_reduce(flatten([local_tensor(v) for v in tensors]), self.process_group),
+                [local_tensor(v) for v in tensors],
+            )
         return state
 
     # -- checkpointing ---------------------------------------------------------------------
@@ -270,7 +321,7 @@ class LocalStepAverager(ModelAverager):
         for name in ("period", "warmup_steps", "pull", "push", "distance"):
             if state[name] != getattr(self, name):
                 raise ValueError(f"checkpoint has {name}={state[name]!r}, this averager {getattr(self, name)!r}")
-        self.step = int(state["step"])
+        self._step = int(state["step"])
         self.rounds = int(state["rounds"])
         self.mean_distance = float(state["mean_distance"])
         self.max_distance = float(state["max_distance"])
@@ -280,6 +331,7 @@ class LocalStepAverager(ModelAverager):
         if self.consensus is not None:
             self.consensus.load_state_dict(state["consensus"])
             self._consensus_checked = False
+            self._consensus_loaded, self._restored_without_consensus = True, False
         self._settings_checked = True  # the rounds compare them from here
 
 
@@ -352,11 +404,16 @@ def _check_arguments(
         raise ValueError("an outer step needs module=: the consensus starts as its parameters")
 
 
-def _check_layout(layout: NodeLayout | None) -> NodeLayout | None:
+def _check_layout(layout: NodeLayout | None, group: dist.ProcessGroup) -> NodeLayout | None:
     if layout is None:
         return None
     if not isinstance(layout, NodeLayout):
         raise ValueError(f"layout must be a NodeLayout (signmuon.comm_hooks.node_layout), not {type(layout).__name__}")
+    if group_size_rank(group)[0] != layout.world_size:
+        raise ValueError(
+            f"layout= spans all {layout.world_size} ranks, process_group= {group_size_rank(group)[0]}: node-aware "
+            "rounds run between all nodes; leave process_group unset"
+        )
     if layout.nodes < 2:
         raise ValueError(
             "node-aware rounds need at least two nodes: on one node every step is all-reduced inside it "
@@ -375,6 +432,44 @@ def _in_module_order(module: nn.Module, params: list[torch.Tensor]) -> list[torc
             "parameters that require grad, in any order): average_parameters must get the same parameters every time"
         )
     return expected
+
+
+def _trained(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters that require grad, in its order, a tied one once."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> its first name in ``module``."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def _all_names(module: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter)`` -> every name it has in ``module`` (a tied weight has several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with each object once (a state dict's tied names share one)."""
+    return list({id(t): t for t in tensors}.values())
+
+
+def _write(
+    whole: torch.Tensor, params: list[torch.Tensor], names: dict[int, list[str]], state: dict[str, torch.Tensor]
+) -> set[int]:
+    """Copy the consensus ``whole`` of ``params`` into ``state`` under every name of each
+    parameter; returns the ids of the tensors written."""
+    written: set[int] = set()
+    for p, value in zip(params, split_like(whole, [local_tensor(p) for p in params])):
+        for name in names[id(p)]:
+            target = state.get(name)
+            if target is not None and id(target) not in written:
+                local_tensor(target).copy_(value)
+                written.add(id(target))
+    return written
 
 
 def _all_params(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:
