@@ -14,10 +14,21 @@ names and ignores any other hook without a word, and ``prepare`` wraps the optim
     # or, for the bare hook with any optimizer:
     # register_comm_hook(accelerator, model, optimizer, comm_state=SignVoteState(momentum=0.9))
 
+Each rank's momentum is its own, and ``accelerator.save_state`` writes the optimizer from the
+main process alone, which every rank loads at ``load_state``. After ``register_comm_hook``,
+``save_state`` gathers every rank's optimizer state into that one file (as
+``checkpoint_all_ranks=True`` does: for the moment of the save every rank holds every rank's
+momentum in host memory) and each rank loads its own part; the bare hook's momentum, which
+Accelerate does not save, goes to a file per rank (:data:`HOOK_STATE_FILE`) and comes back at
+``load_state``.
+
 Needs ``pip install 'signmuon[accelerate]'``.
 """
 
 from __future__ import annotations
+
+import os
+from functools import partial
 
 try:
     import accelerate
@@ -31,8 +42,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from signmuon.comm_hooks import SignVoteState, VoteHookState, sign_vote_hook
 from signmuon.optim import SignVoteOptimizer
+from signmuon.optim.checkpoint import gather_next_state_dict
 
-__all__ = ["register_comm_hook"]
+__all__ = ["HOOK_STATE_FILE", "register_comm_hook"]
+
+HOOK_STATE_FILE = "signmuon_hook_rank{rank:05d}.pt"
+"""Each rank's state of the bare hook, in ``save_state``'s folder."""
 
 _FIX = (
     "Under Accelerate, call signmuon.integrations.accelerate.register_comm_hook(accelerator, model, optimizer) "
@@ -60,6 +75,8 @@ def register_comm_hook(
 
     On one process there is nothing to vote and None is returned (``SignMuon`` then does the
     whole step itself). A hook that has not run by the first optimizer step raises there.
+    On several, ``accelerator.save_state`` / ``load_state`` then keep each rank's momentum (see
+    the module's documentation).
     """
     inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the user's
     voting = isinstance(inner, SignVoteOptimizer)
@@ -83,7 +100,26 @@ def register_comm_hook(
             "Accelerate's multi-process (DDP) mode; DeepSpeed and FSDP plugins are not supported here"
         )
     if voting:
+        # save_state asks every rank for the optimizer's state but writes the main process's alone.
+        accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: gather_next_state_dict(inner))
         return inner.register_comm_hook(model)
     model.register_comm_hook(comm_state, sign_vote_hook)
     comm_state.check_called_by_first_step(inner, fix=_FIX)
+    own = HOOK_STATE_FILE.format(rank=accelerator.process_index)
+    accelerator.register_save_state_pre_hook(partial(_save_hook_state, comm_state, own))
+    accelerator.register_load_state_pre_hook(partial(_load_hook_state, comm_state, own))
     return comm_state
+
+
+def _save_hook_state(state: SignVoteState, name: str, models: list, weights: list, output_dir: str) -> None:
+    torch.save(state.state_dict(), os.path.join(output_dir, name))
+
+
+def _load_hook_state(state: SignVoteState, name: str, models: list, input_dir: str) -> None:
+    path = os.path.join(input_dir, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint holds no hook state of this rank (its momentum is its own); load a "
+            "folder save_state wrote after register_comm_hook, on storage every rank sees"
+        )
+    state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -15,15 +15,22 @@ passed to it is never called), and its model averaging accepts only torch's
                          gradient_clip_val=1.0)           # clipping cannot shrink a sign step
     trainer.fit(Net(), loader)
 
+Each rank's momentum is its own, and Lightning writes a checkpoint from rank 0 alone, which every
+rank loads at ``fit(..., ckpt_path=...)``: :class:`SignDDPStrategy` also writes each rank's own
+training state beside it (``<checkpoint>.signmuon_rank00001.pt``: the optimizers', the bare hook's
+momentum, the averager's) and resumes every rank from its own.
+
 Needs ``pip install 'signmuon[lightning]'``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 try:
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
@@ -33,7 +40,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import LocalStepAverager, SignVoteOptimizer, register_local_sgd_hook
 
-__all__ = ["SignDDPStrategy"]
+__all__ = ["RANK_STATE_SUFFIX", "SignDDPStrategy"]
+
+RANK_STATE_SUFFIX = ".signmuon_rank{rank:05d}.pt"
+"""Appended to a checkpoint's path: the file of each rank's own training state."""
 
 _FOREIGN = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -58,6 +68,12 @@ class SignDDPStrategy(DDPStrategy):
     ``SignSGDMV``, whose own hook is registered (``opt.register_comm_hook(ddp_model)``).
     Hooks are registered once the DDP model and the optimizers exist, before the first batch;
     a hook that has still not run by the first optimizer step raises there.
+
+    Checkpoints: every rank writes its own training state beside the checkpoint rank 0 writes
+    (:data:`RANK_STATE_SUFFIX`, removed with it) and loads it at ``ckpt_path=...``; the files
+    must be where every rank sees its own. A checkpoint without them is refused by our
+    optimizers on every rank (it holds rank 0's momentum), and with ``comm_state`` or
+    ``averager`` raises ``FileNotFoundError``.
     """
 
     def __init__(
@@ -78,6 +94,58 @@ class SignDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.comm_state = comm_state
         self.averager = averager
+
+    def _rank_file(self, filepath: Any) -> str:
+        return f"{filepath}{RANK_STATE_SUFFIX.format(rank=self.global_rank)}"
+
+    def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What of a checkpoint is this rank's own: the optimizers' states (the momentum, before the
+        vote), the bare hook's momentum and the averager's state (its slice of the rounds)."""
+        own = {"optimizer_states": checkpoint["optimizer_states"]}
+        if self.comm_state is not None:
+            own["comm_state"] = self.comm_state.state_dict()
+        if self.averager is not None:
+            own["averager"] = self.averager.state_dict()
+        return own
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0's file
+        if "optimizer_states" in checkpoint:  # not a weights-only checkpoint
+            own = self._rank_state(checkpoint)
+            self.checkpoint_io.save_checkpoint(own, self._rank_file(filepath), storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        self.checkpoint_io.remove_checkpoint(self._rank_file(filepath))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if "optimizer_states" not in checkpoint:
+            return checkpoint
+        path = self._own_file(checkpoint_path)
+        if path is None:
+            if self.comm_state is not None or self.averager is not None:
+                raise FileNotFoundError(
+                    f"{self._rank_file(checkpoint_path)} is missing: the checkpoint holds no training state of this "
+                    "rank (the hook's momentum, the averager's state are each rank's own); resume from a checkpoint "
+                    "SignDDPStrategy saved, on storage every rank sees"
+                )
+            return checkpoint  # our optimizers refuse rank 0's momentum on every other rank
+        own = self.checkpoint_io.load_checkpoint(path, weights_only=True)
+        checkpoint["optimizer_states"] = own["optimizer_states"]
+        for name, target in (("comm_state", self.comm_state), ("averager", self.averager)):
+            if target is not None:
+                if name not in own:
+                    raise ValueError(f"{path} holds no {name} state: it was saved by a SignDDPStrategy without {name}")
+                target.load_state_dict(own[name])
+        return checkpoint
+
+    def _own_file(self, checkpoint_path: Any) -> str | None:
+        """This rank's file of ``checkpoint_path`` (of its target, for ModelCheckpoint's ``last.ckpt`` link)."""
+        candidates = [self._rank_file(checkpoint_path)]
+        if os.path.islink(str(checkpoint_path)):
+            candidates.append(self._rank_file(os.path.realpath(checkpoint_path)))
+        return next((c for c in candidates if get_filesystem(c).exists(c)), None)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # wraps the model in DDP, then sets up the optimizers

@@ -20,15 +20,23 @@ DeepSpeed (``args.deepspeed``, a config without an ``"optimizer"`` section, ZeRO
 the engine's all-reduce is switched off and the vote runs bucket by bucket in backward
 (:class:`~signmuon.comm_hooks.BackwardReducer`). The Trainer's gradient clipping
 (``max_grad_norm``, 1.0 by default) rescales the vote, whose sign our optimizers take: it changes
-nothing. Needs ``pip install 'signmuon[transformers]'``.
+nothing.
+
+Each rank's momentum is its own, and the Trainer saves the optimizer from rank 0 alone
+(``optimizer.pt``), which every rank would load at ``resume_from_checkpoint``: every rank also
+writes its own state (:data:`RANK_STATE_FILE`, in the checkpoint's folder) and resumes from it.
+Needs ``pip install 'signmuon[transformers]'``.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any
 
 try:
     import transformers
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "signmuon.integrations.transformers needs transformers: pip install 'signmuon[transformers]'"
@@ -38,8 +46,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from signmuon.optim import SignVoteOptimizer, muon_param_groups, sign_optimizer_from_spec
+from signmuon.optim.checkpoint import refuse_load
 
-__all__ = ["SignTrainer", "SignTrainerMixin"]
+__all__ = ["RANK_STATE_FILE", "SignTrainer", "SignTrainerMixin"]
+
+RANK_STATE_FILE = "signmuon_optimizer_rank{rank:05d}.pt"
+"""Each rank's optimizer state in a checkpoint's folder (the name the DeepSpeed integration uses)."""
+
+_MISSING = "the checkpoint holds other ranks' optimizer state but not this rank's (on storage every rank sees?)"
 
 # Set here, from the Trainer's arguments or its distributed setup.
 _RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks")
@@ -114,6 +128,40 @@ class SignTrainerMixin:
         spec = {"type": self.sign_optimizer["type"], "params": given}
         self.optimizer = sign_optimizer_from_spec(spec, groups, reserved=_RESERVED, lr=lr)
         return self.optimizer
+
+    def _saves_per_rank(self) -> bool:
+        """Whether the optimizer's state is saved a file per rank (DeepSpeed and FSDP save their own way)."""
+        voting = isinstance(_innermost(self.optimizer), SignVoteOptimizer)
+        return voting and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    def _rank_file(self, folder: str) -> str:
+        return os.path.join(folder, RANK_STATE_FILE.format(rank=self.args.process_index))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Rank 0's optimizer.pt stays: a plain Trainer resuming from it is refused on every rank
+        # (it holds rank 0's momentum) rather than silently starting from fresh momentum.
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._saves_per_rank():
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self.optimizer.state_dict(), self._rank_file(output_dir))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._saves_per_rank():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        own = self._rank_file(checkpoint)
+        if not os.path.isfile(own):
+            others = glob.glob(os.path.join(checkpoint, RANK_STATE_FILE.replace("{rank:05d}", "*")))
+            if others and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+                # The other ranks load theirs and wait for this one in the optimizer's check.
+                refuse_load(_innermost(self.optimizer), FileNotFoundError(f"{own} is missing: {_MISSING}"))
+            # optimizer.pt alone (saved before per-rank files): refused on every rank but 0.
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        device = self.args.device
+        location = device if self.args.world_size > 1 and device.type != "cpu" else "cpu"
+        self.optimizer.load_state_dict(torch.load(own, map_location=location, weights_only=True))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def register_vote(self) -> None:
         """Register the vote on the wrapped model (called at ``on_train_begin``)."""

@@ -1,29 +1,47 @@
 """Checkpoints of the sign-vote optimizers: each rank's momentum is its own (it runs before
-the vote), so a state dict names its world size, can carry every rank's state, and is checked
-against the optimizer before anything is loaded."""
+the vote), so a state dict names the rank that saved it and its world size, can carry every
+rank's state, and is checked against the optimizer (and, on several ranks, against every
+rank's load) before anything is loaded."""
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from signmuon.comm_hooks.dist import group_size_rank
+from signmuon.comm_hooks.dist import from_host, gather_rows, group_device, group_size_rank
 
-__all__ = ["keep_saved_dtypes", "load_rank_state", "rank_state_dict"]
+__all__ = ["gather_next_state_dict", "keep_saved_dtypes", "load_rank_state", "rank_state_dict", "refuse_load"]
+
+_GATHER_ONCE: weakref.WeakSet = weakref.WeakSet()  # optimizers whose next state_dict() gathers every rank's
 
 
 def _to_cpu(state: dict) -> dict:
     return {k: {name: v.detach().cpu() if torch.is_tensor(v) else v for name, v in s.items()} for k, s in state.items()}
 
 
+def gather_next_state_dict(optimizer) -> None:
+    """Make ``optimizer``'s next ``state_dict()`` gather every rank's state, as ``checkpoint_all_ranks``
+    makes every one: for a framework that calls ``state_dict()`` on every rank but writes only rank
+    0's result (Accelerate's ``save_state``). Every rank calls it, then ``state_dict()``."""
+    _GATHER_ONCE.add(optimizer)
+
+
+def _gathers(optimizer) -> bool:
+    once = optimizer in _GATHER_ONCE
+    _GATHER_ONCE.discard(optimizer)
+    return optimizer.checkpoint_all_ranks or once
+
+
 def rank_state_dict(optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (torch's ``state_dict()``) with a ``"signmuon"`` entry: step count, world size
-    and, with ``checkpoint_all_ranks``, every rank's state (a collective)."""
-    world_size, _ = group_size_rank(optimizer.process_group)
-    state["signmuon"] = {"steps_taken": optimizer.steps_taken, "world_size": world_size}
-    if optimizer.checkpoint_all_ranks and world_size > 1:
+    """``state`` (torch's ``state_dict()``) with a ``"signmuon"`` entry: step count, whose state it
+    is (rank in the voting group, world size) and, with ``checkpoint_all_ranks``, every rank's
+    state (a collective)."""
+    world_size, rank = group_size_rank(optimizer.process_group)
+    state["signmuon"] = {"steps_taken": optimizer.steps_taken, "world_size": world_size, "rank": rank}
+    if _gathers(optimizer) and world_size > 1:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, _to_cpu(state["state"]), group=optimizer.process_group)
         state["signmuon"]["rank_states"] = gathered
@@ -32,21 +50,83 @@ def rank_state_dict(optimizer, state: dict[str, Any]) -> dict[str, Any]:
 
 def load_rank_state(optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """torch's part of ``state_dict`` for this rank, after checking that it fits ``optimizer``:
-    the same world size, param groups, and per parameter state keys, shapes and float dtypes
-    (ValueError now, not at the next step)."""
+    the same world size, this rank's own momentum, param groups, and per parameter state keys,
+    shapes and float dtypes (ValueError now, not at the next step).
+
+    On several ranks, a state dict saved by :func:`rank_state_dict` is checked on every rank at
+    once (one all-gather of two words: every rank loads, or every rank raises): a rank that
+    refuses alone would leave the others to train on, or hang in the next collective."""
     extra = state_dict.get("signmuon", {"steps_taken": 0})
+    checked = "signmuon" in state_dict
     state_dict = {k: v for k, v in state_dict.items() if k != "signmuon"}
     world_size, rank = group_size_rank(optimizer.process_group)
-    saved_world = len(extra["rank_states"]) if "rank_states" in extra else extra.get("world_size", world_size)
-    if saved_world != world_size:
-        raise ValueError(
-            f"the checkpoint holds the local state of {saved_world} rank(s), but {world_size} rank(s) are "
-            "loading it: each rank's momentum is its own, so resume on the same number of ranks"
-        )
-    if "rank_states" in extra:
+    refusal = _world_refusal(extra, world_size)
+    saved_rank = rank if "rank_states" in extra or not _per_rank_momentum(optimizer) else extra.get("rank", rank)
+    if refusal is None and "rank_states" in extra:
         state_dict["state"] = extra["rank_states"][rank]
-    _check_fits(optimizer, state_dict)
+    if refusal is None:
+        refusal = _fit_refusal(optimizer, state_dict)
+    if checked and world_size > 1:
+        _agree_to_load(optimizer.process_group, int(saved_rank), refusal)
+    if refusal is not None:
+        raise ValueError(refusal)
     return state_dict
+
+
+def refuse_load(optimizer, error: Exception) -> NoReturn:
+    """Raise ``error`` (this rank has no readable checkpoint: a missing or tampered file) after
+    telling the other ranks, which wait in ``load_state_dict``'s check: every rank raises, none
+    hangs. Call it on every rank that cannot reach ``load_state_dict``."""
+    world_size, rank = group_size_rank(optimizer.process_group)
+    if world_size > 1:
+        _agree_to_load(optimizer.process_group, rank, f"{type(error).__name__}: {error}")
+    raise error
+
+
+def _world_refusal(extra: dict[str, Any], world_size: int) -> str | None:
+    saved_world = len(extra["rank_states"]) if "rank_states" in extra else extra.get("world_size", world_size)
+    if saved_world == world_size:
+        return None
+    return (
+        f"the checkpoint holds the local state of {saved_world} rank(s), but {world_size} rank(s) are "
+        "loading it: each rank's momentum is its own, so resume on the same number of ranks"
+    )
+
+
+def _per_rank_momentum(optimizer) -> bool:
+    """Whether this optimizer's state differs from rank to rank: its momentum (master weights and
+    AdamW's state on the mean gradient are the same everywhere; SignSGDMV's buffer is overwritten)."""
+    return any(group.get("momentum", 0) for group in optimizer.param_groups)
+
+
+def _fit_refusal(optimizer, state_dict: dict[str, Any]) -> str | None:
+    try:
+        _check_fits(optimizer, state_dict)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _agree_to_load(group, saved_rank: int, refusal: str | None) -> None:
+    """Raise on every rank if any rank holds another rank's momentum or refuses its checkpoint."""
+    _, rank = group_size_rank(group)
+    row = from_host([saved_rank, int(refusal is not None)], torch.int64, group_device(group))
+    rows = gather_rows(row, group).tolist()
+    foreign = [(r, saved) for r, (saved, _) in enumerate(rows) if saved != r]
+    if foreign and refusal is None:
+        loads = ", ".join(f"rank {r} loads rank {saved}'s" for r, saved in foreign)
+        raise ValueError(
+            f"the optimizer state of another rank is being loaded ({loads}; no rank loaded anything): each rank's "
+            "momentum is its own, so every rank would resume with the saving rank's. Save a file per rank "
+            "(torch.save(opt.state_dict(), f'optimizer.rank{rank}.pt') on every rank, each loading its own), or "
+            "create the optimizer with checkpoint_all_ranks=True, whose state_dict() (then a collective) gathers "
+            "every rank's momentum into one file that every rank loads its part of"
+        )
+    others = [r for r, (_, refused) in enumerate(rows) if refused and r != rank]
+    if others and refusal is None:
+        raise ValueError(
+            f"rank(s) {others} cannot load their checkpoint (their error says why), so no rank loads its own"
+        )
 
 
 def _check_fits(optimizer, state_dict: dict[str, Any]) -> None:
