@@ -1,19 +1,11 @@
-"""What the tests share, shipped with them and not with the library: the multi-process
-launcher (local gloo ranks), the tiny model, batches and error capture, and the slow,
+"""What the tests share, shipped with them and not with the library: ``run_distributed`` (the
+benchmarks' launcher of local gloo ranks, any result read back), the tiny model, batches and error capture, and the slow,
 obviously-correct references the fast paths are held to."""
 
-import gc
-import os
-import sys
-import tempfile
-import time
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from signmuon.benchmarks.runtime.launch import run_ranks
 from signmuon.comm_hooks.kernels import reference
 from signmuon.comm_hooks.vote.packing import as_bytes, as_words
 from signmuon.optim import polar_direction
@@ -22,58 +14,19 @@ from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 # --- running a function on M local ranks -----------------------------------------------------
 
 
-def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple, threads: int) -> None:
-    torch.set_num_threads(threads)
-    # What torchrun sets, for frameworks that read it (DeepSpeed requires LOCAL_RANK).
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
-    )
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Free DDP reducers (held in reference cycles) while their process group still exists,
-        # and let every rank finish its collectives before the group goes away.
-        del result
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Leave without the interpreter's teardown: gloo's worker threads outlive the group on torch
-    # 2.13, and one that frees a collective's tensors during that teardown aborts the process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, threads: int = 1) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes.
 
     Returns each rank's result (``torch.save``-able), rank 0 first. ``threads`` is each
     process's torch thread count (1 keeps M ranks from fighting over a few cores).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1")
-    with tempfile.TemporaryDirectory() as out_dir:
-        init_file = os.path.join(out_dir, "rendezvous")
-        ctx = mp.start_processes(
-            _entry,
-            args=(fn, world_size, init_file, out_dir, args, threads),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
-        # A rank that exited cleanly without a result (a test's deliberately dead rank) gives None.
-        paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(world_size)]
-        return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
+    return run_ranks(fn, world_size, args, timeout=timeout, threads=threads, load=_load_scratch)
+
+
+def _load_scratch(path: str):
+    # The tests' ranks return any torch.save-able object, into the run's own temporary folder:
+    # unlike the library's files, these may unpickle.
+    return torch.load(path, weights_only=False)
 
 
 # --- the tiny model ----------------------------------------------------------------------------

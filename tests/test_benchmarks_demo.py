@@ -23,6 +23,44 @@ def test_demo_help_is_its_own(capsys):
     assert out.startswith("usage: signmuon-bench demo") and "demo_curves.png" in out and "--task digits" in out
 
 
+def _first_lines(argv, why):
+    """The demo's first three lines for ``argv``, from its real parser's defaults."""
+    from signmuon.benchmarks.commands import demo
+
+    args, _ = demo.parser().parse_known_args(argv)
+    return demo.intro_lines(args.task, args.steps, args.link, why, demo.model_parameters(args.task))
+
+
+def test_the_demos_first_three_lines_name_the_model_the_methods_and_the_link():
+    from signmuon.benchmarks.reports.demo import LABELS, METHODS
+    from signmuon.benchmarks.workloads.tasks import CHARLM_SIZES, TinyGPT
+
+    parameters = sum(p.numel() for p in TinyGPT(**CHARLM_SIZES["small"]).parameters())
+    model, methods, link = _first_lines([], None)
+    assert "character-level GPT" in model and f"{parameters:,} parameters" in model
+    assert "standard library" in model and "300 steps" in model  # the data, and how much of it
+    assert all(LABELS[m] in methods for m in METHODS)
+    assert "100mbit between the 2 nodes" in link and "about 2 min" in link
+    _, _, slower = _first_lines(["--link", "50mbit", "--steps", "600"], None)
+    assert "50mbit" in slower and "about 4 min" in slower
+    _, _, loopback = _first_lines(["--loopback"], "--loopback")
+    assert "links cannot be shaped here (--loopback)" in loopback and "projection of the runs to 100mbit" in loopback
+    cnn, digits, none = _first_lines(["--task", "digits"], None)
+    assert "CNN" in cnn and "digits" in cnn and "signmuon" in digits and "loopback" in none
+
+
+def test_the_demo_says_what_it_trains_before_it_trains(monkeypatch, capsys):
+    from signmuon.benchmarks.commands import demo
+
+    def no_training(command):
+        raise RuntimeError(f"would train now ({command})")
+
+    monkeypatch.setattr(demo, "load", no_training)
+    with pytest.raises(RuntimeError, match="would train now"):
+        demo.main(["--loopback"])
+    assert capsys.readouterr().out.splitlines() == _first_lines(["--loopback"], "--loopback")
+
+
 def _runs(final_losses, times, crossed):
     """Synthetic train results: each method's log reaches its final loss at its time."""
     runs = {}
@@ -86,6 +124,7 @@ def test_the_demo_on_a_shaped_link_and_on_loopback(tmp_path, capsys):
     shown = regenerate(f"<!-- report demo {tmp_path / 'demo.json'} -->\n<!-- /report -->", "/")
     assert shown.split("```\n")[1].rstrip("`\n") in out
     assert "[3/3] DiLoCo, one-bit rounds every 8 steps, 50 steps, 100mbit between the nodes" in out
+    assert out.splitlines()[:3] == _first_lines(["--steps", "50"], None)
     assert "the interfaces' counters" in out and ("reached DDP+AdamW's final loss" in out)
     by = {r["method"]: r for r in rows}
     assert by["adamw"]["seconds_to_target"] is not None  # the baseline reaches its own final loss

@@ -3,6 +3,7 @@ DDP hook, checkpoints, refused configs, pass-through, and the compressed backend
 
 import contextlib
 import os
+import pickle
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.integrations.deepspeed import SignCompressedBackend, initialize
+from signmuon.integrations.deepspeed.engine import read_rank_file
 from signmuon.optim import SignMuon
 from tests.harness import capture, compressed_allreduce_reference, run_distributed
 
@@ -159,6 +161,34 @@ def _load_worker(rank, world_size, load):
     return capture(lambda: engine.load_checkpoint(load, tag="t"))
 
 
+class _RunsCode:
+    """Unpickled, it makes the directory ``marker``: a harmless stand-in for running any code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_rank_state_file_holding_a_pickled_object_is_refused_naming_it(tmp_path):
+    marker, path = tmp_path / "ran", tmp_path / "signmuon_optimizer_rank00000.pt"
+    torch.save({"state": {0: {"momentum": torch.ones(2)}}, "hook": _RunsCode(str(marker))}, path)
+    with pytest.raises(pickle.UnpicklingError, match="signmuon_optimizer_rank00000.pt") as refused:
+        read_rank_file(str(path))
+    assert "posix.mkdir" in str(refused.value) and not marker.exists()
+    torch.load(path, weights_only=False)  # the file is live: unpickling it does run the code
+    assert marker.is_dir()
+
+
+def test_rank_state_file_of_plain_state_loads(tmp_path):
+    opt = SignMuon(_model().parameters(), lr=0.01)
+    opt.state[opt.param_groups[0]["params"][0]]["momentum_buffer"] = torch.ones(16, 8)
+    torch.save(opt.state_dict(), tmp_path / "rank.pt")
+    loaded = read_rank_file(str(tmp_path / "rank.pt"))
+    assert torch.equal(loaded["state"][0]["momentum_buffer"], torch.ones(16, 8))
+
+
 def test_checkpoint_resume_and_scheduler(tmp_path):
     whole = run_distributed(_deepspeed_run, 2, 1, 4, 0, None, None, True, timeout=600)
     run_distributed(_deepspeed_run, 2, 1, 2, 0, None, str(tmp_path), True, timeout=600)
@@ -176,7 +206,15 @@ def test_checkpoint_resume_and_scheduler(tmp_path):
         assert "rank_states" not in optimizer_state["signmuon"]
     (tmp_path / "t" / "signmuon_optimizer_rank00001.pt").unlink()
     missing = run_distributed(_load_worker, 2, str(tmp_path), timeout=600)
-    assert missing[0] is None and missing[1].startswith("FileNotFoundError") and "rank00001" in missing[1]
+    assert missing[1].startswith("FileNotFoundError") and "rank00001" in missing[1]
+    assert missing[0].startswith("ValueError") and "rank(s) [1]" in missing[0]  # every rank refuses
+    # A tampered rank file (a pickled object that runs code when loaded) is refused, not run.
+    marker = tmp_path / "ran"
+    torch.save({"state": _RunsCode(str(marker))}, tmp_path / "t" / "signmuon_optimizer_rank00001.pt")
+    tampered = run_distributed(_load_worker, 2, str(tmp_path), timeout=600)
+    assert tampered[1].startswith("UnpicklingError") and "rank00001" in tampered[1]
+    assert tampered[0].startswith("ValueError") and "rank(s) [1]" in tampered[0]
+    assert not marker.exists()
     # DeepSpeed's WarmupLR drives our optimizer's lr (and is checkpointed with it).
     assert whole[0]["scheduler"] == "WarmupLR"
     assert whole[0]["lrs"][0] < whole[0]["lrs"][2] == pytest.approx(0.01)

@@ -2,8 +2,8 @@
 
 Local runs rendezvous through a temporary file, never a fixed port, so runs can go on side
 by side and never collide with something else on the machine. A rank that raises fails the
-run with its traceback; a rank that hangs fails it after ``timeout`` seconds. (The tests ship
-their own launcher, ``tests/harness.py``.)
+run with its traceback; a rank that hangs fails it after ``timeout`` seconds. The tests launch
+through this module too (``tests/harness.py``), reading their ranks' results as they like.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -138,9 +139,16 @@ def end_torchrun_process() -> None:
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, threads: int = 1) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes.
 
-    Returns each rank's result (``torch.save``-able), rank 0 first. ``threads`` is each
-    process's torch thread count (1 keeps M ranks from fighting over a few cores).
+    Returns each rank's result, rank 0 first: plain data (dicts, lists, numbers, strings,
+    tensors), read back with ``weights_only=True``. ``threads`` is each process's torch thread
+    count (1 keeps M ranks from fighting over a few cores).
     """
+    return run_ranks(fn, world_size, args, timeout=timeout, threads=threads, load=load_result)
+
+
+def run_ranks(fn, world_size: int, args: tuple, *, timeout: float, threads: int, load) -> list:
+    """:func:`run_distributed` with the reader of each rank's result file, ``load(path)``; a rank
+    that exited cleanly without a result (a test's deliberately dead rank) gives None."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -158,6 +166,17 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, threads:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
-        # A rank that exited cleanly without a result (a test's deliberately dead rank) gives None.
         paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(world_size)]
-        return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
+        return [load(p) if os.path.exists(p) else None for p in paths]
+
+
+def load_result(path: str):
+    """A rank's result file, refused (pickle.UnpicklingError naming it) unless it is plain data:
+    the benchmarks return plain data, and reading anything else would run code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(
+            f"{path}: a rank returned more than plain data (dicts, lists, numbers, strings, tensors), which "
+            "the launcher does not unpickle (torch's reason above): return plain data from the rank function"
+        ) from error

@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from signmuon.comm_hooks import VoteConfig
 from signmuon.comm_hooks.dist import barrier
 from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
+from signmuon.optim.checkpoint import refuse_load
 
 __all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize"]
 
@@ -128,9 +130,9 @@ def initialize(
     ``comet``) that is a path rather than a name, since DeepSpeed would write outside its
     ``output_path``.
 
-    ``engine.load_checkpoint`` unpickles its files (``torch.load(weights_only=False)``): load
-    only checkpoints you wrote, or save our own per-rank files, which load with
-    ``weights_only=True`` (docs/reliability.md).
+    ``engine.load_checkpoint`` unpickles DeepSpeed's own files (``torch.load(weights_only=False)``):
+    load only checkpoints you wrote. Our per-rank optimizer files in it are read with
+    ``weights_only=True``, and one holding any other object is refused (docs/reliability.md).
 
     Supported with our types: ZeRO stage 0, in fp32 or with ``"bf16": {"enabled": true}``. In
     bf16 the model is cast to bfloat16 (as DeepSpeed casts it; feed bf16 inputs), the vote runs
@@ -219,12 +221,36 @@ def _checkpoint_per_rank(engine, opt) -> None:
         path, client_state = load(*bound.args, **bound.kwargs)
         if path is not None and with_optimizer:
             own = rank_file(os.path.dirname(path))
-            if not os.path.exists(own):
-                raise FileNotFoundError(
-                    f"{own} is missing: the checkpoint holds no optimizer state of this rank (each rank writes its "
-                    "own; was it saved by every rank, and onto storage every rank sees?)"
-                )
-            opt.load_state_dict(torch.load(own, map_location="cpu", weights_only=False))
+            try:
+                if not os.path.exists(own):
+                    raise FileNotFoundError(
+                        f"{own} is missing: the checkpoint holds no optimizer state of this rank (each rank writes "
+                        "its own; was it saved by every rank, and onto storage every rank sees?)"
+                    )
+                saved = read_rank_file(own)
+            except (FileNotFoundError, pickle.UnpicklingError) as error:
+                refuse_load(opt, error)  # the other ranks wait in load_state_dict's check: all raise
+            opt.load_state_dict(saved)
         return path, client_state
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+def read_rank_file(path: str) -> dict[str, Any]:
+    """A rank's optimizer state as :func:`_checkpoint_per_rank` wrote it: tensors, numbers and
+    strings, read with ``weights_only=True``. A file holding any other pickled object is refused
+    (pickle.UnpicklingError naming it): unpickling it would run its code on every rank."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(
+            f"{path} holds more than tensors, numbers and strings ({_blocked(error)}), which signmuon's per-rank "
+            "optimizer files never do: refusing to unpickle it, as that could run code. Was the checkpoint "
+            "directory changed after save_checkpoint wrote it?"
+        ) from error
+
+
+def _blocked(error: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused: its line naming the global, else its first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "not plain data")
