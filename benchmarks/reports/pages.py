@@ -26,6 +26,7 @@ from collections.abc import Callable
 from signmuon.benchmarks.cost.projection import plot_projection
 from signmuon.benchmarks.reports import tables
 from signmuon.benchmarks.reports.choice import choice_table, plot_choice, steps_table
+from signmuon.benchmarks.reports.conformance import conformance_table
 from signmuon.benchmarks.reports.rates import plot_rates
 from signmuon.benchmarks.reports.writer import read_report
 
@@ -52,6 +53,7 @@ TABLES: dict[str, Callable[..., str]] = {
     "sweep": tables.sweep_table,
     "choice": choice_table,
     "steps": steps_table,
+    "conformance": conformance_table,
 }
 """Table kinds a page may name, and what makes each (:mod:`.tables`, :mod:`.choice`)."""
 

@@ -1,0 +1,207 @@
+"""Conformance of the DDP hooks and the sign-vote optimizers (flat vote): every cell a way users
+run them, equal to the single-process reference of :mod:`.ddp_world` or refused on every rank."""
+
+from functools import partial
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.comm_hooks import SignVoteState, sign_vote_hook
+from signmuon.optim import SignMuon, SignumMV
+
+from .cells import Cell, check_cells
+from .ddp_world import ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
+
+HOOKED = ("hook-signsgd", "hook-signum", "SignumMV", "SignSGDMV", "SignMuon")
+IN_STEP = ("SignumMV-in-step", "SignMuon-in-step")
+
+
+def _cell(klass: str, case: str, config: Config, refusal: str | None = None) -> Cell:
+    atol = 1e-6 if config.entry.startswith("SignMuon") else 0.0  # Newton–Schulz in two processes
+    if refusal is not None:
+        return Cell(ENTRIES[config.entry], klass, case, partial(train, config=config), refusal=refusal)
+    return Cell(
+        ENTRIES[config.entry],
+        klass,
+        case,
+        partial(train, config=config),
+        partial(simulate, config),
+        atol=atol,
+        per_rank=True,
+    )
+
+
+def two_rank_cells() -> list[Cell]:
+    cells = []
+    for entry in HOOKED:
+        cells += [
+            _cell(
+                "who has a gradient",
+                "Join: rank 1 runs out of data after 2 of 4 steps",
+                Config(entry, (4, 2), join=True),
+            ),
+            _cell(
+                "who has a gradient",
+                "find_unused_parameters: a head unused on rank 1",
+                Config(entry, unused_on=(1,)),
+            ),
+            _cell("what the hook is handed", "2 micro-batches under no_sync", Config(entry, micro=2)),
+        ]
+    for entry in HOOKED[2:]:
+        cells += [
+            _cell("what runs after the hook", "clip_grad_norm_(0.1) before step()", Config(entry, clip=0.1)),
+            _cell(
+                "what the optimizer holds",
+                "a head added by add_param_group after the hook",
+                Config(entry, added_later=True),
+            ),
+        ]
+    for entry in IN_STEP:
+        cells += [
+            _cell("who has a gradient", "a head without a gradient on rank 1", Config(entry, unused_on=(1,))),
+            _cell("what the hook is handed", "2 micro-batches accumulated", Config(entry, micro=2)),
+            _cell(
+                "what runs after the hook",
+                "clip_grad_norm_(0.1) before step(): each worker's momentum sees its clipped gradient",
+                Config(entry, clip=0.1),
+            ),
+        ]
+    return cells
+
+
+NODE_AWARE = {
+    "hook-signsgd": "sign_vote_hook, signSGD-MV, node-aware",
+    "SignumMV": "SignumMV, node-aware DDP hook",
+    "SignMuon": "SignMuon, node-aware DDP hook",
+    "SignumMV-in-step": "SignumMV, node-aware vote_in_step",
+}
+
+
+def _node_cell(klass: str, case: str, config: Config) -> Cell:
+    atol = 1e-6 if config.entry.startswith("SignMuon") else 0.0
+    run, reference = partial(train, config=config), partial(simulate, config)
+    return Cell(NODE_AWARE[config.entry], klass, case, run, reference, atol=atol, per_rank=True)
+
+
+def four_rank_cells() -> list[Cell]:
+    halves = ((0, 1), (2, 3))
+    cells = []
+    for entry in NODE_AWARE:
+        cells += [
+            _node_cell(
+                "who votes", "2 nodes x 2: the node means voted between nodes", Config(entry, (3,) * 4, per_node=2)
+            ),
+            _node_cell(
+                "who has a gradient",
+                "a head unused on rank 1: its node's mean holds rank 0's alone, over 2",
+                Config(entry, (3,) * 4, unused_on=(1,), per_node=2),
+            ),
+            _node_cell(
+                "who has a gradient",
+                "a head unused on both ranks of node 1: that node abstains",
+                Config(entry, (3,) * 4, unused_on=(2, 3), per_node=2),
+            ),
+            _node_cell(
+                "what the hook is handed",
+                "2 micro-batches accumulated (no_sync, set_requires_gradient_sync)",
+                Config(entry, (3,) * 4, micro=2, per_node=2),
+            ),
+        ]
+    for entry in HOOKED + IN_STEP:
+        cells.append(
+            _cell("who votes", "DDP over data-parallel sub-groups {0,1}, {2,3}", Config(entry, (4,) * 4, halves))
+        )
+    for entry in HOOKED:
+        cells.append(
+            _cell(
+                "who votes",
+                "sub-groups, WORLD given to the state or optimizer",
+                Config(entry, (2,) * 4, halves, give_group="world"),
+                refusal="reduces over ranks",
+            )
+        )
+    return cells
+
+
+def test_hooks_and_optimizers_on_two_ranks():
+    check_cells(two_rank_cells(), 2)
+
+
+def test_who_votes_on_four_ranks():
+    check_cells(four_rank_cells(), 4)
+
+
+# --- refusals that name the remedy ------------------------------------------------------------
+
+
+def _momentum_differs(rank: int, world_size: int):
+    net = Net()
+    model = DDP(net)
+    model.register_comm_hook(SignVoteState(momentum=0.9 if rank == 0 else 0.5, start_iter=1), sign_vote_hook)
+    backward(model, rank, 0, 0, True)
+
+
+def _split_optimizers(rank: int, world_size: int):
+    net = Net()
+    model = DDP(net)
+    matrices = [p for p in net.parameters() if p.dim() >= 2]
+    opt = SignMuon(matrices, lr=LR)
+    torch.optim.AdamW([p for p in net.parameters() if p.dim() < 2])
+    opt.register_comm_hook(model)
+    backward(model, rank, 0, 0, True)
+
+
+def _one_rank_a_step_ahead(rank: int, world_size: int):
+    net = Net()
+    model = DDP(net)
+    opt = SignumMV(net.parameters(), lr=LR, vote=EXACT)
+    opt.register_comm_hook(model)
+    opt.steps_taken = 1 if rank == 1 else 0  # as after a step only rank 1 took (a resumed rank one behind)
+    backward(model, rank, 0, 0, True)
+
+
+def _second_backward(rank: int, world_size: int):
+    net = Net()
+    model = DDP(net)
+    opt = SignMuon(net.parameters(), lr=LR, vote=EXACT)
+    opt.register_comm_hook(model)
+    backward(model, rank, 0, 0, True)
+    backward(model, rank, 0, 1, True)  # accumulation without no_sync
+    opt.step()
+
+
+def refusal_cells() -> list[Cell]:
+    return [
+        Cell(
+            ENTRIES["hook-signum"],
+            "who votes",
+            "momentum differs between ranks: refused naming the field and each rank's value",
+            _momentum_differs,
+            refusal="momentum (rank 0: 0.9, rank 1: 0.5)",
+        ),
+        Cell(
+            ENTRIES["SignMuon"],
+            "what the optimizer holds",
+            "matrices in SignMuon, the rest in AdamW: refused saying how to pass the rest",
+            _split_optimizers,
+            refusal="non_matrix='adamw'",
+        ),
+        Cell(
+            ENTRIES["SignumMV"],
+            "ranks out of step",
+            "rank 1 a step ahead of rank 0",
+            _one_rank_a_step_ahead,
+            refusal="VoteMismatchError",
+        ),
+        Cell(
+            ENTRIES["SignMuon"],
+            "what the hook is handed",
+            "a second backward before step() without no_sync",
+            _second_backward,
+            refusal="accumulate micro-batches with their forward and backward under ddp_model.no_sync()",
+        ),
+    ]
+
+
+def test_refusals_name_the_remedy():
+    check_cells(refusal_cells(), 2)
