@@ -18,10 +18,10 @@ from signmuon.comm_hooks.dist import barrier
 from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 from signmuon.optim.checkpoint import refuse_load
 
-__all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize"]
+from .checkpoints import RANK_STATE_FILE, read_rank_file
+from .zero_engine import initialize_zero
 
-RANK_STATE_FILE = "signmuon_optimizer_rank{rank:05d}.pt"
-"""Each rank's optimizer state (its momentum), beside DeepSpeed's files in the tag's folder."""
+__all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize", "read_rank_file"]
 
 OPTIMIZER_TYPES = SIGN_OPTIMIZERS
 # Set by the integration itself, so not settable from the config.
@@ -157,6 +157,9 @@ def initialize(
         )
     if optimizer is not None:
         raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
+    if loaded.get("zero_optimization", {}).get("stage", 0):
+        check_supported({**loaded, "zero_optimization": {}}, name)  # fp16 and bf16 settings
+        return initialize_zero(deepspeed, model=model, config=loaded, name=name, reserved=_RESERVED, kwargs=kwargs)
     check_supported(loaded, name)
     vote = VoteConfig.from_dict(loaded.get("vote", {}))
     bf16 = bool(loaded.get("bf16", {}).get("enabled", False))
@@ -234,23 +237,3 @@ def _checkpoint_per_rank(engine, opt) -> None:
         return path, client_state
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
-
-
-def read_rank_file(path: str) -> dict[str, Any]:
-    """A rank's optimizer state as :func:`_checkpoint_per_rank` wrote it: tensors, numbers and
-    strings, read with ``weights_only=True``. A file holding any other pickled object is refused
-    (pickle.UnpicklingError naming it): unpickling it would run its code on every rank."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise pickle.UnpicklingError(
-            f"{path} holds more than tensors, numbers and strings ({_blocked(error)}), which signmuon's per-rank "
-            "optimizer files never do: refusing to unpickle it, as that could run code. Was the checkpoint "
-            "directory changed after save_checkpoint wrote it?"
-        ) from error
-
-
-def _blocked(error: pickle.UnpicklingError) -> str:
-    """What torch's weights-only unpickler refused: its line naming the global, else its first line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "not plain data")

@@ -1,0 +1,168 @@
+"""DeepSpeed ZeRO-1/2 with the vote between nodes (DeepSpeed on CPU, gloo): equal to node-aware
+DDP and to a single-process node-level reference, every rank skipping together, checkpoints,
+refusals. Few spawns: each process group runs many checks."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from signmuon.comm_hooks import VoteConfig
+from signmuon.integrations.deepspeed import initialize
+from signmuon.optim import SignumMV
+from tests.harness import run_distributed
+
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions")
+)
+
+L = 2  # ranks per node
+LR, BETA, WD = 0.01, 0.9, 0.01
+STEPS = 3
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))  # 212 entries: partitions cut w1 mid-row
+
+
+def _micro_batch(rank, step, micro):
+    gen = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    return torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+
+
+def _params(name):
+    return {"lr": LR, "weight_decay": WD} | ({"momentum": BETA} if name == "SignumMV" else {})
+
+
+def _config(stage, gas, name="SignumMV", clip=0.0, **extra):
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": name, "params": _params(name)},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "vote": {"ranks_per_node": L, "tie": "exact"},  # the DDP hook's coins are drawn per tensor
+        **extra,
+    }
+
+
+def _train(engine, model, rank, steps, gas, start=0, bad_step=None):
+    history = []
+    for step in range(start, start + steps):
+        for micro in range(gas):
+            x, y = _micro_batch(rank, step, micro)
+            loss = nn.functional.cross_entropy(engine(x), y)
+            if step == bad_step and rank == 0:
+                loss = loss * float("nan")  # one rank of node 0 only
+            engine.backward(loss)
+            engine.step()
+        history.append([p.detach().clone().float() for p in model.parameters()])
+    return history
+
+
+def _zero_run(rank, stage, gas, name="SignumMV", clip=0.0):
+    model = _model(seed=rank)  # every rank its own init: the broadcast must give all rank 0's
+    engine, _, _, _ = initialize(model=model, config=_config(stage, gas, name, clip))
+    return _train(engine, model, rank, STEPS, gas)
+
+
+def _ddp_run(rank, gas):
+    net = _model()
+    opt = SignumMV(
+        net.parameters(),
+        lr=LR,
+        momentum=BETA,
+        weight_decay=WD,
+        vote=VoteConfig(hierarchical=True, ranks_per_node=L, tie="exact"),
+    )
+    model = DDP(net)
+    opt.register_comm_hook(model)
+    history = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(gas):
+            x, y = _micro_batch(rank, step, micro)
+            if micro < gas - 1:
+                with model.no_sync():
+                    (nn.functional.cross_entropy(model(x), y) / gas).backward()
+            else:
+                (nn.functional.cross_entropy(model(x), y) / gas).backward()
+        opt.step()
+        history.append([p.detach().clone() for p in net.parameters()])
+    return history
+
+
+def node_reference(world_size, gas, beta=BETA, clip=0.0):
+    """One process: each node votes the sign of its momentum of its mean gradient (clipped at the
+    node's norm), the N nodes' signs are majority-voted, decoupled weight decay, then the step."""
+    model = _model()
+    params = list(model.parameters())
+    nodes = world_size // L
+    momenta = [[torch.zeros_like(p) for p in params] for _ in range(nodes)]
+    history = []
+    for step in range(STEPS):
+        signs = [torch.zeros_like(p) for p in params]
+        for node in range(nodes):
+            total = [torch.zeros_like(p) for p in params]
+            for rank in range(node * L, (node + 1) * L):
+                for micro in range(gas):
+                    x, y = _micro_batch(rank, step, micro)
+                    grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y) / gas, params)
+                    total = [t + g for t, g in zip(total, grads)]
+            mean = [t / L for t in total]
+            if clip:
+                norm = torch.sqrt(sum((g.double() ** 2).sum() for g in mean)).float()
+                mean = [g / torch.clamp((norm + 1e-6) / clip, min=1.0) for g in mean]
+            for m, g, s in zip(momenta[node], mean, signs):
+                direction = m.lerp_(g, 1 - beta) if beta else g
+                s.add_(direction.sign())
+        with torch.no_grad():
+            for p, s in zip(params, signs):
+                p.mul_(1 - LR * WD).add_(s.sign(), alpha=-LR)
+        history.append([p.detach().clone() for p in params])
+    return history
+
+
+CELLS = [(1, 1, "SignumMV"), (2, 2, "SignumMV"), (1, 2, "SignumMV"), (2, 1, "SignSGDMV")]
+
+
+def _cells(rank, world_size, cells, ddp_gas, clip_cell):
+    out = {("zero",) + cell: _zero_run(rank, *cell) for cell in cells}
+    out.update({("ddp", gas): _ddp_run(rank, gas) for gas in ddp_gas})
+    if clip_cell:
+        out[("clip",)] = _zero_run(rank, 2, 2, clip=0.05)
+    return out
+
+
+def _check(results, world_size, cells, ddp_gas, clip_cell):
+    for stage, gas, name in cells:
+        beta = BETA if name == "SignumMV" else 0.0
+        reference = node_reference(world_size, gas, beta)
+        for rank, result in enumerate(results):
+            for step in range(STEPS):
+                for a, b in zip(result[("zero", stage, gas, name)][step], reference[step]):
+                    assert torch.equal(a, b), f"ZeRO-{stage} {name} gas {gas}: rank {rank} step {step}"
+                if name == "SignumMV" and gas in ddp_gas:
+                    for a, b in zip(result[("zero", stage, gas, name)][step], result[("ddp", gas)][step]):
+                        assert torch.equal(a, b), f"ZeRO-{stage} vs node-aware DDP: rank {rank} step {step}"
+    if clip_cell:
+        reference = node_reference(world_size, 2, BETA, clip=0.05)
+        unclipped = node_reference(world_size, 2, BETA)
+        assert any(not torch.equal(a, b) for a, b in zip(reference[-1], unclipped[-1])), "clipping changed nothing"
+        for rank, result in enumerate(results):
+            for a, b in zip(result[("clip",)][-1], reference[-1]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"clipped: rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", [4, 6], ids=["2x2", "3x2"])
+def test_zero_signum_equals_node_aware_ddp_and_node_reference(world_size):
+    """Stages 1 and 2, accumulation 1 and 2, SignumMV and SignSGDMV: every rank's weights after
+    every step equal the node-level reference and node-aware DDP bit for bit."""
+    cells = CELLS if world_size == 4 else CELLS[:2]
+    ddp_gas = (1, 2) if world_size == 4 else (2,)
+    clip_cell = world_size == 4
+    results = run_distributed(_cells, world_size, cells, ddp_gas, clip_cell, timeout=900)
+    _check(results, world_size, cells, ddp_gas, clip_cell)
