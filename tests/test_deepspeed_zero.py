@@ -56,7 +56,8 @@ def _train(engine, model, rank, steps, gas, start=0, bad_step=None):
             x, y = _micro_batch(rank, step, micro)
             loss = nn.functional.cross_entropy(engine(x), y)
             if step == bad_step and rank == 0:
-                loss = loss * float("nan")  # one rank of node 0 only
+                # one rank of node 0, one tensor: only local rank 1's partition holds the NaN
+                loss = loss + float("nan") * model[2].bias.sum()
             engine.backward(loss)
             engine.step()
         history.append([p.detach().clone().float() for p in model.parameters()])
@@ -166,3 +167,102 @@ def test_zero_signum_equals_node_aware_ddp_and_node_reference(world_size):
     clip_cell = world_size == 4
     results = run_distributed(_cells, world_size, cells, ddp_gas, clip_cell, timeout=900)
     _check(results, world_size, cells, ddp_gas, clip_cell)
+
+
+def _robustness(rank, world_size, folder):
+    out = {}
+    # A NaN on one rank of node 0: every rank skips that step (nothing moves), none hangs.
+    model = _model()
+    engine, zero_opt, _, _ = initialize(model=model, config=_config(2, 1))
+    out["nan_skip"] = _train(engine, model, rank, STEPS, 1, bad_step=1)
+    out["skipped"] = zero_opt.optimizer.stats.skipped
+    model = _model()
+    config = _config(1, 1)
+    config["vote"]["nonfinite"] = "raise"
+    engine, _, _, _ = initialize(model=model, config=config)
+    try:
+        _train(engine, model, rank, STEPS, 1, bad_step=0)
+        out["nan_raise"] = None
+    except Exception as error:  # noqa: BLE001 - the test asserts the type below
+        out["nan_raise"] = type(error).__name__
+    # Save after 2 steps, train on; a fresh engine (other initial weights) resumes bit-identically.
+    for stage in (1, 2):
+        model = _model()
+        engine, _, _, _ = initialize(model=model, config=_config(stage, 2))
+        _train(engine, model, rank, 2, 2)
+        engine.save_checkpoint(folder, tag=f"s{stage}")
+        out[("full", stage)] = _train(engine, model, rank, 2, 2, start=2)
+        model = _model(seed=100 + rank)
+        engine, _, _, _ = initialize(model=model, config=_config(stage, 2))
+        engine.load_checkpoint(folder, tag=f"s{stage}")
+        out[("resumed", stage)] = _train(engine, model, rank, 2, 2, start=2)
+    out["files"] = sorted(os.listdir(os.path.join(folder, "s2")))
+    # Another ranks-per-node: refused on every rank, by name.
+    model = _model()
+    config = _config(2, 2)
+    config["vote"]["ranks_per_node"] = 1
+    engine, _, _, _ = initialize(model=model, config=config)
+    try:
+        engine.load_checkpoint(folder, tag="s2")
+        out["other_layout"] = None
+    except ValueError as error:
+        out["other_layout"] = str(error)
+    # bf16: DeepSpeed's bf16 parameters, float32 partitions voted; every node the same model.
+    model = _model()
+    engine, _, _, _ = initialize(model=model, config=_config(2, 1, bf16={"enabled": True}))
+    out["bf16"] = _train_bf16(engine, model, rank)
+    return out
+
+
+def _train_bf16(engine, model, rank):
+    for step in range(STEPS):
+        x, y = _micro_batch(rank, step, 0)
+        engine.backward(nn.functional.cross_entropy(engine(x.bfloat16()), y))
+        engine.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_zero_nan_checkpoint_layout_and_bf16(tmp_path):
+    results = run_distributed(_robustness, 4, str(tmp_path), timeout=900)
+    for rank, result in enumerate(results):
+        history = result["nan_skip"]
+        assert all(torch.equal(a, b) for a, b in zip(history[0], history[1])), f"rank {rank} moved on a NaN step"
+        assert not all(torch.equal(a, b) for a, b in zip(history[1], history[2])), f"rank {rank} stopped training"
+        assert result["skipped"] == 1
+        assert result["nan_raise"] == "NonFiniteError", f"rank {rank}: {result['nan_raise']}"
+        for stage in (1, 2):
+            for full, resumed in zip(result[("full", stage)], result[("resumed", stage)]):
+                for a, b in zip(full, resumed):
+                    assert torch.equal(a, b), f"ZeRO-{stage} resume differs on rank {rank}"
+        assert result["other_layout"] is not None and "ranks per node" in result["other_layout"], result["other_layout"]
+        assert all(torch.equal(a, b) for a, b in zip(result["bf16"], results[0]["bf16"])), "bf16 nodes diverged"
+    assert [f"signmuon_optimizer_rank{r:05d}.pt" in results[0]["files"] for r in range(4)] == [True] * 4
+    for a, b in zip(results[0]["nan_skip"][-1], results[3]["nan_skip"][-1]):
+        assert torch.equal(a, b)
+    initial = list(_model().parameters())
+    assert not all(torch.equal(a.float(), b) for a, b in zip(results[0]["bf16"], initial))
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"zero_optimization": {"stage": 3}}, "stage 3"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+        ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "ZeRO++"),
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"sequence_parallel_size": 2}, "sequence parallel"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism"),
+        ({"optimizer": {"type": "SignMuon", "params": {"lr": 0.01}}}, "Newton–Schulz"),
+        ({"vote": {"hierarchical": False}}, "always votes between nodes"),
+    ],
+    ids=["zero3", "offload", "zeropp", "fp16", "sequence", "tensor", "signmuon", "flat-vote"],
+)
+def test_zero_refusals_say_what_to_do(change, words):
+    """Decided from the config alone, before any collective: the same on every rank."""
+    with pytest.raises(ValueError, match=words):
+        initialize(model=_model(), config=_config(2, 1) | change)
+
+
+def test_zero_refuses_a_users_mpu():
+    with pytest.raises(ValueError, match="mpu"):
+        initialize(model=_model(), config=_config(1, 1), mpu=object())

@@ -156,8 +156,10 @@ def check_zero_config(config: dict[str, Any], name: str, kwargs: dict[str, Any])
                 f'optimizer {name} with zero_optimization.{key}.device="{device}": CPU/NVMe offload runs '
                 "DeepSpeed's own optimizer on the host, not the vote; remove the offload section"
             )
-    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_hpz_partition_size"):
-        if zero.get(key) not in (None, False, 0, 1):
+    zero_plus_plus = {k: zero.get(k) for k in ("zero_quantized_gradients", "zero_quantized_weights")}
+    zero_plus_plus["zero_hpz_partition_size"] = zero.get("zero_hpz_partition_size", 1) != 1
+    for key, used in zero_plus_plus.items():
+        if used:
             raise ValueError(
                 f"optimizer {name} with zero_optimization.{key}: ZeRO++ quantizes or re-partitions the traffic "
                 "between nodes, which the one-bit vote replaces; remove it"

@@ -45,7 +45,7 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
     vote = VoteConfig.from_dict(section)
     if name.lower() not in ZERO_OPTIMIZERS:
         raise ValueError(
-            f"optimizer {name} with ZeRO stage >= 1: Newton–Schulz needs whole matrices, which ZeRO's flat "
+            f"optimizer {name} with ZeRO stage {config['zero_optimization'].get('stage')}: Newton–Schulz needs whole matrices, which ZeRO's flat "
             'partitions cut; use SignumMV or SignSGDMV with ZeRO, or "zero_optimization": {"stage": 0} for '
             "SignMuon, or FSDP2 with signmuon.optim.register_fsdp_vote"
         )
