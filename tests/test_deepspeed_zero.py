@@ -266,3 +266,10 @@ def test_zero_refusals_say_what_to_do(change, words):
 def test_zero_refuses_a_users_mpu():
     with pytest.raises(ValueError, match="mpu"):
         initialize(model=_model(), config=_config(1, 1), mpu=object())
+
+
+def test_zero_refuses_several_param_groups():
+    model = _model()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "weight_decay": 0.0}]
+    with pytest.raises(ValueError, match="one parameter group"):
+        initialize(model=model, config=_config(2, 1), model_parameters=groups)

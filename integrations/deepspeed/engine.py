@@ -159,7 +159,15 @@ def initialize(
         raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
     if loaded.get("zero_optimization", {}).get("stage", 0):
         check_supported({**loaded, "zero_optimization": {}}, name)  # fp16 and bf16 settings
-        return initialize_zero(deepspeed, model=model, config=loaded, name=name, reserved=_RESERVED, kwargs=kwargs)
+        return initialize_zero(
+            deepspeed,
+            model=model,
+            config=loaded,
+            name=name,
+            reserved=_RESERVED,
+            kwargs=kwargs,
+            model_parameters=model_parameters,
+        )
     check_supported(loaded, name)
     vote = VoteConfig.from_dict(loaded.get("vote", {}))
     bf16 = bool(loaded.get("bf16", {}).get("enabled", False))

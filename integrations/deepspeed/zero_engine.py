@@ -31,7 +31,7 @@ __all__ = ["initialize_zero"]
 ZERO_OPTIMIZERS = ("signummv", "signsgdmv")  # elementwise: a flat partition is all they need
 
 
-def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwargs: dict):
+def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwargs: dict, model_parameters=None):
     """``deepspeed.initialize`` with ZeRO inside each node and the vote between nodes; DeepSpeed's
     ``(engine, optimizer, training_dataloader, lr_scheduler)``. The config's ``"vote"`` section
     takes ``ranks_per_node`` (L; else ``LOCAL_WORLD_SIZE``) and the fields of the rail's vote."""
@@ -51,14 +51,25 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
         )
     check_zero_config(config, name, kwargs)
     refuse_model(model, name)
+    spec = {"type": name, "params": config["optimizer"].get("params", {})}
+    options = dict(reserved=reserved, vote=vote, vote_in_step=True, checkpoint_all_ranks=False)
+    defaults = sign_optimizer_from_spec(spec, [torch.zeros(1)], **options).defaults  # bad params: refused now
+    given = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    given = [g for g in given]
+    if not all(isinstance(g, dict) for g in given):
+        given = [{"params": given}]
+    if len(given) != 1:
+        # DeepSpeed steps the base optimizer once per group, showing it that group alone.
+        raise ValueError(
+            f"optimizer {name} with ZeRO takes one parameter group, not {len(given)}: pass the parameters as "
+            "one group (per-group settings under ZeRO are not supported yet), or use ZeRO stage 0"
+        )
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=kwargs.get("dist_backend"))
     layout = zero_layout(ranks_per_node)
     broadcast_model(model)
-    spec = {"type": name, "params": config["optimizer"].get("params", {})}
-    options = dict(reserved=reserved, vote=vote, vote_in_step=True, checkpoint_all_ranks=False)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    placeholder = sign_optimizer_from_spec(spec, trainable, **options, process_group=layout.rail_group)
+    # A stateless stand-in for DeepSpeed to partition (ours would hold a whole model's momentum meanwhile).
+    placeholder = torch.optim.SGD([dict(g) for g in given], lr=defaults["lr"])
     # Ours is not one of the optimizers ZeRO knows by name; its step is the partition's step.
     rest = {k: v for k, v in config.items() if k not in ("optimizer", "vote")} | {"zero_allow_untested_optimizer": True}
     engine, zero_optimizer, loader, scheduler = deepspeed.initialize(
@@ -66,10 +77,11 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
     )
     # ZeRO has replaced each group's parameters with this rank's flat fp32 partition: the
     # optimizer that steps them is built on those (its state keyed by the partitions).
-    groups = [dict(group) for group in placeholder.param_groups]
+    # The group keeps what its caller set and the lr DeepSpeed's scheduler may have set since.
+    (group,) = placeholder.param_groups
+    groups = [{k: group[k] for k in {"params", "lr", *given[0]}}]
     opt = sign_optimizer_from_spec(spec, groups, **options, process_group=layout.rail_group)
     zero_optimizer.optimizer = opt
-    placeholder.state.clear()
     if getattr(scheduler, "optimizer", None) is placeholder:
         scheduler.optimizer = opt
     agree_overflow(zero_optimizer, vote, opt.stats)
