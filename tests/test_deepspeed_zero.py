@@ -2,7 +2,10 @@
 DDP and to a single-process node-level reference, every rank skipping together, checkpoints,
 refusals. Few spawns: each process group runs many checks."""
 
+import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,8 +172,15 @@ def test_zero_signum_equals_node_aware_ddp_and_node_reference(world_size):
     _check(results, world_size, cells, ddp_gas, clip_cell)
 
 
-def _robustness(rank, world_size, folder):
+def _robustness(rank, world_size, folder, docs_config):
     out = {}
+    # docs/frameworks.md's ZeRO-2 config as it stands, the node size from LOCAL_WORLD_SIZE (as torchrun sets it).
+    os.environ["LOCAL_WORLD_SIZE"] = str(L)
+    model = _model()
+    docs_config = {k: v for k, v in docs_config.items() if k != "vote"}  # its L is 8
+    engine, _, _, _ = initialize(model=model, config=docs_config)
+    out["docs_config"] = _train_bf16(engine, model, rank)
+    del os.environ["LOCAL_WORLD_SIZE"]
     # A NaN on one rank of node 0: every rank skips that step (nothing moves), none hangs.
     model = _model()
     engine, zero_opt, _, _ = initialize(model=model, config=_config(2, 1))
@@ -223,7 +233,11 @@ def _train_bf16(engine, model, rank):
 
 
 def test_zero_nan_checkpoint_layout_and_bf16(tmp_path):
-    results = run_distributed(_robustness, 4, str(tmp_path), timeout=900)
+    docs = (Path(__file__).parent.parent / "docs" / "frameworks.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)```", docs, flags=re.S)
+    docs_config = next(json.loads(b) for b in blocks if '"stage": 2' in b)
+    results = run_distributed(_robustness, 4, str(tmp_path), docs_config, timeout=900)
+    assert all(torch.equal(a, b) for r in results for a, b in zip(r["docs_config"], results[0]["docs_config"]))
     for rank, result in enumerate(results):
         history = result["nan_skip"]
         assert all(torch.equal(a, b) for a, b in zip(history[0], history[1])), f"rank {rank} moved on a NaN step"

@@ -138,10 +138,14 @@ def initialize(
     bf16 the model is cast to bfloat16 (as DeepSpeed casts it; feed bf16 inputs), the vote runs
     on the bf16 gradients, and the optimizer keeps float32 master weights and momentum
     (``master_weights=True``): DeepSpeed's own bf16 optimizer, which flattens the parameters and
-    would lose the matrix shapes Newton–Schulz needs, is not used. ZeRO >= 1 (it partitions each
-    worker's momentum, which must stay whole; for sharded models see
-    :func:`~signmuon.optim.register_fsdp_vote`) and fp16 are refused with the reason. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep
-    every rank's local momentum, which DeepSpeed's rank-0 file would otherwise lose.
+    would lose the matrix shapes Newton–Schulz needs, is not used. fp16 is refused with the
+    reason. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep every rank's
+    local momentum, which DeepSpeed's rank-0 file would otherwise lose.
+
+    ZeRO stage 1 and 2 (SignumMV, SignSGDMV; fp32 or bf16): ZeRO inside each node, the vote
+    between nodes on each rank's partition (:mod:`signmuon.integrations.deepspeed.zero`, where the
+    seam and every difference from plain DeepSpeed are described; docs/frameworks.md). ZeRO-3,
+    offload, ZeRO++, MoE, model/sequence/pipeline parallelism and SignMuon there are refused.
 
     Returns:
         DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``.
