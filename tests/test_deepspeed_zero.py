@@ -99,7 +99,7 @@ def _ddp_run(rank, gas):
     return history
 
 
-def node_reference(world_size, gas, beta=BETA, clip=0.0):
+def node_reference(world_size, gas, beta=BETA, clip=0.0, steps=STEPS):
     """One process: each node votes the sign of its momentum of its mean gradient (clipped at the
     node's norm), the N nodes' signs are majority-voted, decoupled weight decay, then the step."""
     model = _model()
@@ -107,7 +107,7 @@ def node_reference(world_size, gas, beta=BETA, clip=0.0):
     nodes = world_size // L
     momenta = [[torch.zeros_like(p) for p in params] for _ in range(nodes)]
     history = []
-    for step in range(STEPS):
+    for step in range(steps):
         signs = [torch.zeros_like(p) for p in params]
         for node in range(nodes):
             total = [torch.zeros_like(p) for p in params]
