@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.comm_hooks import VoteConfig
+from signmuon.comm_hooks.vote import vote_bytes_per_rank
 from signmuon.integrations.deepspeed import initialize
 from signmuon.optim import SignumMV
 from tests.harness import run_distributed
@@ -178,8 +179,12 @@ def _robustness(rank, world_size, folder, docs_config):
     os.environ["LOCAL_WORLD_SIZE"] = str(L)
     model = _model()
     docs_config = {k: v for k, v in docs_config.items() if k != "vote"}  # its L is 8
-    engine, _, _, _ = initialize(model=model, config=docs_config)
+    engine, zero_opt, _, _ = initialize(model=model, config=docs_config)
     out["docs_config"] = _train_bf16(engine, model, rank)
+    (partition,) = zero_opt.optimizer.param_groups[0]["params"]
+    momentum = zero_opt.optimizer.state[partition]["momentum_buffer"]
+    out["state"] = (momentum.numel(), momentum.dtype, partition.numel())
+    out["bytes_per_step"] = zero_opt.optimizer.stats.bytes_sent / STEPS
     del os.environ["LOCAL_WORLD_SIZE"]
     # A NaN on one rank of node 0: every rank skips that step (nothing moves), none hangs.
     model = _model()
@@ -233,10 +238,11 @@ def _train_bf16(engine, model, rank):
 
 
 def test_zero_nan_checkpoint_layout_and_bf16(tmp_path):
+    world_size = 4
     docs = (Path(__file__).parent.parent / "docs" / "frameworks.md").read_text()
     blocks = re.findall(r"```json\n(.*?)```", docs, flags=re.S)
     docs_config = next(json.loads(b) for b in blocks if '"stage": 2' in b)
-    results = run_distributed(_robustness, 4, str(tmp_path), docs_config, timeout=900)
+    results = run_distributed(_robustness, world_size, str(tmp_path), docs_config, timeout=900)
     assert all(torch.equal(a, b) for r in results for a, b in zip(r["docs_config"], results[0]["docs_config"]))
     for rank, result in enumerate(results):
         history = result["nan_skip"]
@@ -250,6 +256,13 @@ def test_zero_nan_checkpoint_layout_and_bf16(tmp_path):
                     assert torch.equal(a, b), f"ZeRO-{stage} resume differs on rank {rank}"
         assert result["other_layout"] is not None and "ranks per node" in result["other_layout"], result["other_layout"]
         assert all(torch.equal(a, b) for a, b in zip(result["bf16"], results[0]["bf16"])), "bf16 nodes diverged"
+    total = sum(p.numel() for p in _model().parameters())
+    for result in results:  # the node's momentum, 1/L per rank; between nodes, the rail vote's bytes
+        numel, dtype, partition = result["state"]
+        assert numel == partition and dtype == torch.float32 and numel <= -(-total // L) + 8
+        nodes = world_size // L
+        agreement = (nodes - 1) * 2 * 8  # step() agrees the step and who has a gradient: 2 int64 words
+        assert result["bytes_per_step"] == vote_bytes_per_rank(partition, nodes, agree_sizes=False) + agreement
     assert [f"signmuon_optimizer_rank{r:05d}.pt" in results[0]["files"] for r in range(4)] == [True] * 4
     for a, b in zip(results[0]["nan_skip"][-1], results[3]["nan_skip"][-1]):
         assert torch.equal(a, b)
