@@ -100,24 +100,24 @@ def _ddp_run(rank, gas):
     return history
 
 
-def node_reference(world_size, gas, beta=BETA, clip=0.0, steps=STEPS):
+def node_reference(world_size, gas, beta=BETA, clip=0.0, steps=STEPS, ranks_per_node=L):
     """One process: each node votes the sign of its momentum of its mean gradient (clipped at the
     node's norm), the N nodes' signs are majority-voted, decoupled weight decay, then the step."""
     model = _model()
     params = list(model.parameters())
-    nodes = world_size // L
+    nodes = world_size // ranks_per_node
     momenta = [[torch.zeros_like(p) for p in params] for _ in range(nodes)]
     history = []
     for step in range(steps):
         signs = [torch.zeros_like(p) for p in params]
         for node in range(nodes):
             total = [torch.zeros_like(p) for p in params]
-            for rank in range(node * L, (node + 1) * L):
+            for rank in range(node * ranks_per_node, (node + 1) * ranks_per_node):
                 for micro in range(gas):
                     x, y = _micro_batch(rank, step, micro)
                     grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y) / gas, params)
                     total = [t + g for t, g in zip(total, grads)]
-            mean = [t / L for t in total]
+            mean = [t / ranks_per_node for t in total]
             if clip:
                 norm = torch.sqrt(sum((g.double() ** 2).sum() for g in mean)).float()
                 mean = [g / torch.clamp((norm + 1e-6) / clip, min=1.0) for g in mean]

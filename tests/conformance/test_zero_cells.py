@@ -43,8 +43,8 @@ def trained(rank, world_size, stage, gas, steps=3, **vote):
     return _train(engine, model, rank, steps, gas)[-1]
 
 
-def last_reference(world_size, gas, steps=3):
-    return node_reference(world_size, gas, steps=steps)[-1]
+def last_reference(world_size, gas, steps=3, ranks_per_node=2):
+    return node_reference(world_size, gas, steps=steps, ranks_per_node=ranks_per_node)[-1]
 
 
 def nan_on_one_rank(rank, world_size, stage, raise_=False):
@@ -128,6 +128,13 @@ def zero_cells() -> list[Cell]:
             refusal="resume on the same nodes and ranks per node",
         )
     )
+    for ranks_per_node, case in (
+        (4, "one node of 4 ranks: no vote, Signum on the node's mean gradient"),
+        (1, "4 nodes of one rank: nothing partitioned, every rank votes"),
+    ):
+        run = partial(trained, stage=2, gas=1, ranks_per_node=ranks_per_node)
+        reference = partial(last_reference, gas=1, ranks_per_node=ranks_per_node)
+        cells.append(Cell(_entry(2), "who votes", case, run, reference))
     cells.append(
         Cell(
             _entry(2),
