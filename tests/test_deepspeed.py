@@ -253,7 +253,7 @@ def test_config_without_our_types_is_plain_deepspeed():
         (_config(zero_optimization={"stage": 2}), 'ZeRO stage 2.*stage": 0'),
         (_config(fp16={"enabled": True}), "fp16.*fp32"),
         (_config(bf16={"enabled": True, "immediate_grad_update": True}), r"bf16 settings \['immediate_grad_update'\]"),
-        (_config(zero_optimization={"stage": 1}), "momentum must stay whole.*register_fsdp_vote"),
+        (_config(zero_optimization={"stage": 1}), "ZeRO stage 1: Newton–Schulz.*register_fsdp_vote"),
         (
             _config(optimizer_type="SIGNUMMV")
             | {"optimizer": {"type": "SIGNUMMV", "params": {"polar_after_vote": True}}},

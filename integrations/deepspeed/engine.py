@@ -18,10 +18,10 @@ from signmuon.comm_hooks.dist import barrier
 from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 from signmuon.optim.checkpoint import refuse_load
 
-__all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize"]
+from .checkpoints import RANK_STATE_FILE, read_rank_file
+from .zero_engine import initialize_zero
 
-RANK_STATE_FILE = "signmuon_optimizer_rank{rank:05d}.pt"
-"""Each rank's optimizer state (its momentum), beside DeepSpeed's files in the tag's folder."""
+__all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize", "read_rank_file"]
 
 OPTIMIZER_TYPES = SIGN_OPTIMIZERS
 # Set by the integration itself, so not settable from the config.
@@ -138,10 +138,14 @@ def initialize(
     bf16 the model is cast to bfloat16 (as DeepSpeed casts it; feed bf16 inputs), the vote runs
     on the bf16 gradients, and the optimizer keeps float32 master weights and momentum
     (``master_weights=True``): DeepSpeed's own bf16 optimizer, which flattens the parameters and
-    would lose the matrix shapes Newton–Schulz needs, is not used. ZeRO >= 1 (it partitions each
-    worker's momentum, which must stay whole; for sharded models see
-    :func:`~signmuon.optim.register_fsdp_vote`) and fp16 are refused with the reason. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep
-    every rank's local momentum, which DeepSpeed's rank-0 file would otherwise lose.
+    would lose the matrix shapes Newton–Schulz needs, is not used. fp16 is refused with the
+    reason. Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) keep every rank's
+    local momentum, which DeepSpeed's rank-0 file would otherwise lose.
+
+    ZeRO stage 1 and 2 (SignumMV, SignSGDMV; fp32 or bf16): ZeRO inside each node, the vote
+    between nodes on each rank's partition (:mod:`signmuon.integrations.deepspeed.zero`, where the
+    seam and every difference from plain DeepSpeed are described; docs/frameworks.md). ZeRO-3,
+    offload, ZeRO++, MoE, model/sequence/pipeline parallelism and SignMuon there are refused.
 
     Returns:
         DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``.
@@ -157,6 +161,17 @@ def initialize(
         )
     if optimizer is not None:
         raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
+    if loaded.get("zero_optimization", {}).get("stage", 0):
+        check_supported({**loaded, "zero_optimization": {}}, name)  # fp16 and bf16 settings
+        return initialize_zero(
+            deepspeed,
+            model=model,
+            config=loaded,
+            name=name,
+            reserved=_RESERVED,
+            kwargs=kwargs,
+            model_parameters=model_parameters,
+        )
     check_supported(loaded, name)
     vote = VoteConfig.from_dict(loaded.get("vote", {}))
     bf16 = bool(loaded.get("bf16", {}).get("enabled", False))
@@ -234,23 +249,3 @@ def _checkpoint_per_rank(engine, opt) -> None:
         return path, client_state
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
-
-
-def read_rank_file(path: str) -> dict[str, Any]:
-    """A rank's optimizer state as :func:`_checkpoint_per_rank` wrote it: tensors, numbers and
-    strings, read with ``weights_only=True``. A file holding any other pickled object is refused
-    (pickle.UnpicklingError naming it): unpickling it would run its code on every rank."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise pickle.UnpicklingError(
-            f"{path} holds more than tensors, numbers and strings ({_blocked(error)}), which signmuon's per-rank "
-            "optimizer files never do: refusing to unpickle it, as that could run code. Was the checkpoint "
-            "directory changed after save_checkpoint wrote it?"
-        ) from error
-
-
-def _blocked(error: pickle.UnpicklingError) -> str:
-    """What torch's weights-only unpickler refused: its line naming the global, else its first line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "not plain data")
