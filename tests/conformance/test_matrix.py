@@ -15,13 +15,14 @@ COMMITTED = Path(__file__).parents[2] / "benchmarks" / "results" / "2026-12-06-c
 
 
 def suite_cells() -> list[Cell]:
-    """Every cell of the suite: what each test module's ``*_cells()`` functions return."""
+    """Every cell of the suite: what each test module's ``*_cells()`` functions return (its
+    ``test_*`` functions run them, so they are not cell lists)."""
     cells = []
     for module in pkgutil.iter_modules(suite.__path__):
         if module.name.startswith("test_") and module.name != "test_matrix":
             loaded = importlib.import_module(f"tests.conformance.{module.name}")
             for name, fn in sorted(vars(loaded).items()):
-                if name.endswith("_cells") and callable(fn) and getattr(fn, "__module__", None) == loaded.__name__:
+                if name.endswith("_cells") and not name.startswith("test_") and callable(fn) and getattr(fn, "__module__", None) == loaded.__name__:
                     cells += fn()
     return cells
 
