@@ -1,5 +1,6 @@
 """What every DDP vote hook keeps: settings, consistency checks, parameter keys, the votes in
-flight and statistics (:class:`VoteHookState`), picklable without its process group."""
+flight and statistics (:class:`VoteHookState`), picklable without its process group. The errors
+it raises outside a hook call are :mod:`.hook_guards`'s."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import logging
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from .ddp_group import ddp_model_of, group_ranks, resolve_group
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
+from .hook_guards import DeferredErrors, watch_first_step
 from .kernels.bits import SignSegments
 from .pipeline import VotePipeline
 from .vote import (
@@ -293,54 +295,6 @@ class VoteHookState:
         self.headers_agree = False  # a resumed rank agrees on its iteration again first
 
 
-class DeferredErrors:
-    """The ``NonFiniteError`` of a backward pass, raised once DDP has finished it (raising inside
-    DDP's hook would leave DDP's reducer broken)."""
-
-    __slots__ = ("error", "flags", "queued", "raised")
-
-    def __init__(self) -> None:
-        self.error: NonFiniteError | None = None
-        self.flags: list[tuple[torch.Tensor, NonFiniteError]] = []  # raised if a flag is set, read then
-        self.queued = False  # whether a callback raises them at the end of this backward
-        self.raised = 0  # backward passes that raised
-
-    def arm(self) -> None:
-        """Queue the check that raises after DDP has finished this backward.
-
-        DDP queues its own end-of-backward callback only after the last bucket's hook has run, so
-        a callback queued now runs before DDP's; that one queues the check, which thus runs after
-        it. Outside a backward pass (a hook called by hand) nothing is queued."""
-        engine = torch.autograd.Variable._execution_engine
-        try:
-            engine.queue_callback(lambda: engine.queue_callback(self._check))
-        except RuntimeError:
-            self.queued = False
-            return
-        self.queued = True
-
-    def defer(self, error: NonFiniteError, flag: torch.Tensor | None = None) -> None:
-        """Keep ``error`` to raise after the backward; with ``flag`` (0-d bool, not read yet), only
-        if it is set, read then. Outside a backward pass it raises at once (when set)."""
-        if not self.queued:
-            if flag is None or bool(flag):
-                raise error  # not inside a backward pass: nothing to protect
-            return
-        if flag is not None:
-            self.flags.append((flag, error))
-        elif self.error is None:
-            self.error = error
-
-    def _check(self) -> None:
-        error, self.error = self.error, None
-        flags, self.flags = self.flags, []
-        if error is None and flags and bool(torch.stack([flag for flag, _ in flags]).any()):  # one read
-            error = next(e for flag, e in flags if bool(flag))
-        if error is not None:
-            self.raised += 1
-            raise error
-
-
 def bucket_segments(
     bucket: dist.GradBucket, param_key: Callable[[torch.Tensor], int], voted: list[bool] | None = None
 ) -> SignSegments:
@@ -364,31 +318,3 @@ def bucket_segments(
         return SignSegments.whole(total)
     starts = [0] + [offset for offset, _, _ in pieces[1:]] + [total]
     return SignSegments(tuple(starts), tuple(key for _, _, key in pieces))
-
-
-def watch_first_step(state: "VoteHookState", optimizer: torch.optim.Optimizer, fix: str) -> None:
-    """Hooks on ``optimizer``'s step that raise at its first step if ``state``'s hook has not run.
-
-    Frameworks can drop a registered hook without a word (one registers comm hooks on CUDA only,
-    one ignores hooks it does not know): training then goes on with unreduced local gradients and
-    the replicas drift apart. Checked once; later steps are not watched. A step given a closure
-    (Lightning's) runs backward inside ``step()``, so that step is checked when it returns."""
-    seen = state.buckets_seen
-    handles: list = []
-
-    def check(opt: torch.optim.Optimizer) -> None:
-        for handle in handles:
-            handle.remove()
-        if state.buckets_seen == seen:
-            raise RuntimeError(
-                f"{type(opt).__name__}.step(): the {type(state).__name__} communication hook has not run since it "
-                "was registered, so the gradients were never voted and each rank would train alone. "
-                + (fix or "Register it on the DistributedDataParallel model that runs the backward pass.")
-            )
-
-    def before(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not args and kwargs.get("closure") is None:
-            check(opt)
-
-    handles.append(optimizer.register_step_pre_hook(before))
-    handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: check(opt)))

@@ -7,7 +7,7 @@ An optimizer holds one exchange, chosen once:
   the vote across ``process_group`` inside ``step()``;
 * :class:`HookExchange`: the DDP hook (or the backward reducer) ran the pre-vote half and the
   vote during backward, and left the vote in ``.grad``;
-* :class:`~signmuon.optim.fsdp.ShardedExchange`: FSDP2 shards, voted between nodes.
+* :class:`~signmuon.optim.fsdp_exchange.ShardedExchange`: FSDP2 shards, voted between nodes.
 
 Each returns :class:`Exchanged`; the optimizer's step loop is the same for all three.
 """

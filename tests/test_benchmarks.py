@@ -366,13 +366,19 @@ def test_zero_structure_splits_zeros_into_rows_columns_and_the_rest():
 
 
 def test_the_gpu_check_scripts_compile_and_their_imports_exist():
-    """gpu_check.sh runs only where a GPU is lent, rarely: its Python must not have gone stale."""
+    """gpu_check.sh (and the parts it sources) runs only where a GPU is lent, rarely: its Python
+    must not have gone stale."""
     import ast
     import importlib
     import re
     from pathlib import Path
 
-    script = (Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh").read_text()
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    main = (benchmarks / "gpu_check.sh").read_text()
+    sourced = re.findall(r"^\s*source (\S+)$", main, flags=re.M)
+    parts = sorted((benchmarks / "gpu_check").glob("*.sh"))
+    assert sorted(sourced) == [f"benchmarks/gpu_check/{p.name}" for p in parts]  # each part runs, once
+    script = main + "".join(p.read_text() for p in parts)
     snippets = re.findall(r"<<'PY'\n(.*?)\nPY\n", script, flags=re.S)
     assert len(snippets) == 5, len(snippets)
     from signmuon.benchmarks.commands import COMMANDS

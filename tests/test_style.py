@@ -27,3 +27,23 @@ def test_no_formatter_escapes():
         if "fmt: skip" in line or "fmt: off" in line
     ]
     assert len(escapes) <= 5, escapes
+
+
+MOST_LINES = 350
+NOT_PRODUCT = ("tests", "benchmarks/results", "benchmarks/out", "build", "dist", "site")
+
+
+def test_every_product_file_is_at_most_350_lines():
+    """A file a reader can hold in one sitting: split longer ones along a seam (a module per
+    concern, re-exporting what users import)."""
+    sources = [
+        p
+        for p in sorted(ROOT.rglob("*"))
+        if p.suffix in (".py", ".sh")
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)  # .venv, .git, .cache
+        and not any(p.relative_to(ROOT).as_posix().startswith(folder + "/") for folder in NOT_PRODUCT)
+    ]
+    assert len(sources) > 100 and ROOT / "benchmarks" / "gpu_check.sh" in sources
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > MOST_LINES}
+    assert not long, f"over {MOST_LINES} lines: {long}"

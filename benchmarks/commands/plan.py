@@ -20,10 +20,11 @@ import dataclasses
 import math
 
 from signmuon.benchmarks.commands import load
-from signmuon.benchmarks.cost.model import Cluster, Workload, compute_for, crossover, parse_rate, predict
+from signmuon.benchmarks.cost.model import Cluster, Workload, compute_for, parse_rate, predict
 from signmuon.benchmarks.cost.projection import GPT_SIZES, choice, model_shapes, projection
 from signmuon.benchmarks.cost.validation import median_rows
-from signmuon.benchmarks.methods.registry import METHODS, names_for
+from signmuon.benchmarks.methods.registry import names_for
+from signmuon.benchmarks.reports.plan_table import plan_rows, print_plan
 from signmuon.benchmarks.reports.writer import write_report
 from signmuon.benchmarks.runtime.cli import command_parser, positive_int
 
@@ -32,60 +33,6 @@ SUMMARY = "an α–β model: bytes and step time per method on a cluster, speed-
 
 
 __all__ = ["UNCROWDED_LAYOUTS", "VALIDATION_LAYOUTS", "main", "validate"]
-
-
-def _table(cluster: Cluster, workload: Workload, methods: list[str]) -> list[dict]:
-    rows = []
-    for method in methods:
-        p = predict(method, cluster, workload)
-        base = METHODS[method].plan_baseline
-        cross = crossover(method, cluster, workload, base) if method != base else None
-        speedup = predict(base, cluster, workload)["step_s"] / p["step_s"]
-        rows.append({"method": method, **p, "baseline": base, "speedup": speedup, "crossover_bps": cross})
-    return rows
-
-
-def _print(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
-    print(
-        f"{workload.params / 1e6:.1f}M parameters, {cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s), "
-        f"link {cluster.link_bps / 1e9:g} Gbit/s per NIC, compute {workload.compute_s * 1e3:.1f} ms/step"
-    )
-    print(
-        f"{'method':>16} {'MB out/node':>12} {'MB in/rank':>11} {'comm ms':>9} {'exposed':>9} {'step ms':>9} "
-        f"{'speed-up':>9} {'pays below':>12}"
-    )
-    for r in rows:
-        cross = r["crossover_bps"]
-        label = (
-            "-"
-            if r["method"] == r["baseline"]
-            else "always"
-            if cross == math.inf
-            else "never"
-            if cross is None
-            else f"{cross / 1e9:.3g} Gbit/s"
-        )
-        print(
-            f"{r['method']:>16} {r['between_bytes_per_node'] / 1e6:>12.2f} {r['inside_bytes_per_rank'] / 1e6:>11.2f} "
-            f"{r['comm_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['step_s'] * 1e3:>9.2f} "
-            f"{r['speedup']:>8.2f}x {label:>12}"
-        )
-    for base in sorted({r["baseline"] for r in rows} - {"allreduce"}):
-        compared = [r["method"] for r in rows if r["baseline"] == base and r["method"] != base]
-        print(f"{', '.join(compared)}: speed-up and crossover against {base} ({METHODS[base].summary})")
-    if workload.overlap:
-        print(
-            f"exposed: the communication backward ({workload.backward_share:.2g} of the compute) does not hide, "
-            f"{workload.buckets} bucket(s): {workload.first_bucket_bytes / 2**20:g} MB, then "
-            f"{workload.bucket_bytes / 2**20:g} MB each (not the node-aware votes' "
-            "gather in the node, nor a round); --no-overlap: all of it, the upper bound"
-        )
-    if any(r["method"].startswith("diloco") for r in rows):
-        print(
-            f"diloco_*: the node's all-reduce every step and a round every {workload.period} steps (--period), its "
-            f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
-            "per step only: how many more steps rounds need to reach a loss is not modelled (measure it: train)"
-        )
 
 
 VALIDATION_LAYOUTS = (
@@ -373,7 +320,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 else dict.fromkeys(("bucket_bytes", "first_bucket_bytes"), args.bucket_mb * 2**20)
             ),
         )
-        rows = _table(cluster, workload, args.methods)
-        _print(rows, cluster, workload)
+        rows = plan_rows(cluster, workload, args.methods)
+        print_plan(rows, cluster, workload)
     write_report("plan", argv, {"rows": rows}, args.json)
     return rows
