@@ -1,6 +1,8 @@
 """Local-step training: workers step on their own and meet in rounds.
 
 * :mod:`.engine`: :class:`LocalStepAverager`, the schedule of rounds and what makes one safe;
+* :mod:`.settings`: the averager's arguments and the settings every rank must share;
+* :mod:`.members`: which tensors take part in a round, in which order, under which names;
 * :mod:`.dppf`: DPPF's pull and push around the round's target;
 * :mod:`.outer_step`: :class:`OuterStep`, the consensus stepped with the pseudo-gradients
   (``OuterStep.diloco()`` is DiLoCo), and :mod:`.pseudo_gradients`, how they are combined;

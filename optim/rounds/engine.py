@@ -5,8 +5,6 @@ push (:mod:`~signmuon.optim.rounds.dppf`) act around that target."""
 
 from __future__ import annotations
 
-import functools
-import math
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -22,29 +20,21 @@ from signmuon.comm_hooks.dist import (
     NonFiniteError,
     check_same_settings,
     flatten,
-    group_size_rank,
     mean_all_reduce,
     settings_digest,
-    split_like,
     unflatten_into,
 )
 
 from ..params import local_tensor
-from .aliases import clone_once, refuse_shared_memory
+from .aliases import refuse_shared_memory
 from .consensus import Consensus, agree_on_call, check_shards, round_flags
 from .dppf import pull_push, worker_distances
+from .members import all_params, by_dtype_and_device, consensus_state, first_names, in_module_order, trained
 from .outer_step import OuterStep
 from .rails import mean_between_nodes
+from .settings import DISTANCES, averager_settings, check_arguments, check_int, check_layout
 
 __all__ = ["DISTANCES", "DPPFAverager", "LocalStepAverager"]
-
-DISTANCES = ("model", "tensor")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-    return value
 
 
 class LocalStepAverager(ModelAverager):
@@ -119,9 +109,9 @@ class LocalStepAverager(ModelAverager):
         outer: OuterStep | None = None,
         layout: NodeLayout | None = None,
     ) -> None:
-        self.period = _check_int("period", period, 1)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        _check_arguments(pull, push, eps, distance, nonfinite, outer, module)
+        self.period = check_int("period", period, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        check_arguments(pull, push, eps, distance, nonfinite, outer, module)
         super().__init__(process_group)  # sets self.process_group (WORLD if None) and self.step = 0
         self.pull = float(pull)
         self.push = float(push)
@@ -138,15 +128,15 @@ class LocalStepAverager(ModelAverager):
         # Settings are compared at a fresh averager's first call (a mismatch fails before any
         # training) and at every round (so a replica that rejoins with a loaded state is too).
         self._settings_checked = False
-        self.layout = _check_layout(layout, self.process_group)
+        self.layout = check_layout(layout, self.process_group)
         self.outer = outer
         self.consensus = None
         if module is not None:
             check_shards(module, self.process_group, self.push, self.layout)
-            refuse_shared_memory(_trained(module), _names(module))
+            refuse_shared_memory(trained(module), first_names(module))
         if outer is not None:
             params = [local_tensor(p) for p in module.parameters() if p.requires_grad]
-            self.consensus = Consensus(_by_dtype_and_device(params), outer, self.process_group, self.layout)
+            self.consensus = Consensus(by_dtype_and_device(params), outer, self.process_group, self.layout)
             self._consensus_checked = False  # compared at the first round after construction or a load
 
     @property
@@ -179,14 +169,14 @@ class LocalStepAverager(ModelAverager):
         with a gradient on any rank (so every rank averages the same set).
         """
         self._check_settings()
-        params = _all_params(params)
+        params = all_params(params)
         if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
-            params = _in_module_order(self.module, params)
-            groups = _by_dtype_and_device(local_tensor(p) for p in params)
+            params = in_module_order(self.module, params)
+            groups = by_dtype_and_device(local_tensor(p) for p in params)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
                 self.consensus.reset([flatten(tensors) for tensors in groups])
         if self.is_round():
-            refuse_shared_memory(params, _names(self.module) if self.module is not None else None)
+            refuse_shared_memory(params, first_names(self.module) if self.module is not None else None)
             agreed = self._agreed_params(params)
             if agreed is not None:
                 self._round(params if self.consensus is not None else agreed)
@@ -195,7 +185,7 @@ class LocalStepAverager(ModelAverager):
     def _check_settings(self) -> None:
         """At a fresh averager's first collective: the same settings on every rank."""
         if not self._settings_checked:
-            check_same_settings(_settings(self), self.process_group, what="LocalStepAverager settings")
+            check_same_settings(averager_settings(self), self.process_group, what="LocalStepAverager settings")
             self._settings_checked = True
 
     def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -209,7 +199,7 @@ class LocalStepAverager(ModelAverager):
             self.process_group,
             self.step + 1,  # the steps taken, this one included
             self.stats,
-            settings=settings_digest(_settings(self)),
+            settings=settings_digest(averager_settings(self)),
             unchecked=unchecked,
             restored_without_consensus=self._restored_without_consensus,
         )
@@ -238,7 +228,7 @@ class LocalStepAverager(ModelAverager):
         params = [local_tensor(p) for p in params]  # FSDP2: this rank's shards
         self.stats.calls += 1
         distances = []
-        groups = _by_dtype_and_device(params)
+        groups = by_dtype_and_device(params)
         flats = [flatten(tensors) for tensors in groups]  # [n] this worker's x, per group
         if self.consensus is not None:
             targets = self.consensus.advance(flats, self.stats)
@@ -253,7 +243,7 @@ class LocalStepAverager(ModelAverager):
         self.rounds += 1
 
     def _average_buffers(self) -> None:
-        for tensors in _by_dtype_and_device(self._buffers()):
+        for tensors in by_dtype_and_device(self._buffers()):
             unflatten_into(mean_all_reduce(flatten(tensors), self.process_group, self.stats), tensors)
 
     # -- the consensus model ---------------------------------------------------------------
@@ -268,8 +258,8 @@ class LocalStepAverager(ModelAverager):
         steps). The workers' own parameters are left untouched, and ``stats`` does not count
         this (evaluation traffic, not training)."""
         self._check_settings()
-        params = _trained(module)
-        if self.consensus is not None and [id(p) for p in params] != [id(p) for p in _trained(self.module)]:
+        params = trained(module)
+        if self.consensus is not None and [id(p) for p in params] != [id(p) for p in trained(self.module)]:
             raise ValueError(
                 "consensus_state_dict(module): its parameters that require grad are not those the consensus "
                 "was made of (LocalStepAverager(module=...)'s); pass that module (or the DDP model around it)"
@@ -280,22 +270,11 @@ class LocalStepAverager(ModelAverager):
             params,
             self.process_group,
             None,
-            settings=settings_digest(_settings(self)),
+            settings=settings_digest(averager_settings(self)),
             restored_without_consensus=self._restored_without_consensus,
         )
-        state = clone_once(module.state_dict())
-        written: set[int] = set()
-        if self.consensus is not None:
-            names = _all_names(module)
-            for tensors, whole in zip(_by_dtype_and_device(params), self.consensus.whole()):
-                written |= _write(whole, tensors, names, state)
-        floats = [v for v in _distinct(state.values()) if v.is_floating_point() and id(v) not in written]
-        for tensors in _by_dtype_and_device(floats):
-            unflatten_into(
-                mean_all_reduce(flatten([local_tensor(v) for v in tensors]), self.process_group),
-                [local_tensor(v) for v in tensors],
-            )
-        return state
+        wholes = self.consensus.whole() if self.consensus is not None else []
+        return consensus_state(module, params, wholes, self.process_group)
 
     # -- checkpointing ---------------------------------------------------------------------
 
@@ -335,35 +314,6 @@ class LocalStepAverager(ModelAverager):
         self._settings_checked = True  # the rounds compare them from here
 
 
-SETTINGS = (
-    "period",
-    "warmup_steps",
-    "pull",
-    "push",
-    "eps",
-    "distance",
-    "average_buffers",
-    "track_distances",
-    "nonfinite",
-)
-
-
-def _settings(averager: LocalStepAverager) -> dict[str, Any]:
-    """What must be equal on every rank."""
-    settings = {name: getattr(averager, name) for name in SETTINGS}
-    layout, outer = averager.layout, averager.outer
-    nodes = None if layout is None else (layout.nodes, layout.ranks_per_node)
-    if outer is not None:
-        outer = (
-            outer.pseudo_gradient,
-            _describe(outer.optimizer),
-            repr(outer.vote),
-            outer.scale_block,
-            outer.scale_bits,
-        )
-    return {**settings, "outer": outer, "layout": nodes}
-
-
 class DPPFAverager(LocalStepAverager):
     """The name :class:`LocalStepAverager` had until signmuon 0.1; it goes in 0.3."""
 
@@ -375,115 +325,3 @@ class DPPFAverager(LocalStepAverager):
             stacklevel=2,
         )
         super().__init__(*args, **kwargs)
-
-
-def _describe(factory: Any) -> str:
-    """The outer optimizer's factory by name and arguments, alike on every rank (a repr would
-    carry a lambda's address)."""
-    if isinstance(factory, functools.partial):
-        return f"{_describe(factory.func)}{factory.args}{sorted(factory.keywords.items())}"
-    return f"{getattr(factory, '__module__', '')}.{getattr(factory, '__qualname__', type(factory).__name__)}"
-
-
-def _check_arguments(
-    pull: float, push: float, eps: float, distance: str, nonfinite: str, outer: Any, module: Any
-) -> None:
-    if not 0.0 <= pull <= 1.0:
-        raise ValueError(f"pull={pull} must be in [0, 1]: beyond 1 a worker overshoots the average")
-    if not (push >= 0.0 and math.isfinite(push)):
-        raise ValueError(f"push={push} must be finite and >= 0")
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite={nonfinite!r} must be 'skip' or 'raise'")
-    if not eps > 0.0:
-        raise ValueError(f"eps={eps} must be > 0")
-    if distance not in DISTANCES:
-        raise ValueError(f"distance={distance!r} must be one of {DISTANCES}")
-    if outer is not None and not isinstance(outer, OuterStep):
-        raise ValueError(f"outer must be an OuterStep, not {type(outer).__name__}")
-    if outer is not None and module is None:
-        raise ValueError("an outer step needs module=: the consensus starts as its parameters")
-
-
-def _check_layout(layout: NodeLayout | None, group: dist.ProcessGroup) -> NodeLayout | None:
-    if layout is None:
-        return None
-    if not isinstance(layout, NodeLayout):
-        raise ValueError(f"layout must be a NodeLayout (signmuon.comm_hooks.node_layout), not {type(layout).__name__}")
-    if group_size_rank(group)[0] != layout.world_size:
-        raise ValueError(
-            f"layout= spans all {layout.world_size} ranks, process_group= {group_size_rank(group)[0]}: node-aware "
-            "rounds run between all nodes; leave process_group unset"
-        )
-    if layout.nodes < 2:
-        raise ValueError(
-            "node-aware rounds need at least two nodes: on one node every step is all-reduced inside it "
-            "and there is nothing to run rounds between; use plain DDP"
-        )
-    return None if layout.ranks_per_node == 1 else layout  # one rank per node: the flat rounds
-
-
-def _in_module_order(module: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``module``'s parameters that require grad, in its order, if ``params`` are exactly those
-    (an optimizer may group them otherwise, as Muon's matrices-and-the-rest groups do)."""
-    expected = [p for p in module.parameters() if p.requires_grad]
-    if len(params) != len(expected) or {id(p) for p in params} != {id(p) for p in expected}:
-        raise ValueError(
-            "the parameters given to the round are not those the consensus was made of (LocalStepAverager(module=...)'s "
-            "parameters that require grad, in any order): average_parameters must get the same parameters every time"
-        )
-    return expected
-
-
-def _trained(module: nn.Module) -> list[torch.Tensor]:
-    """``module``'s parameters that require grad, in its order, a tied one once."""
-    return [p for p in module.parameters() if p.requires_grad]
-
-
-def _names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter)`` -> its first name in ``module``."""
-    return {id(p): name for name, p in module.named_parameters()}
-
-
-def _all_names(module: nn.Module) -> dict[int, list[str]]:
-    """``id(parameter)`` -> every name it has in ``module`` (a tied weight has several)."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
-
-
-def _distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` with each object once (a state dict's tied names share one)."""
-    return list({id(t): t for t in tensors}.values())
-
-
-def _write(
-    whole: torch.Tensor, params: list[torch.Tensor], names: dict[int, list[str]], state: dict[str, torch.Tensor]
-) -> set[int]:
-    """Copy the consensus ``whole`` of ``params`` into ``state`` under every name of each
-    parameter; returns the ids of the tensors written."""
-    written: set[int] = set()
-    for p, value in zip(params, split_like(whole, [local_tensor(p) for p in params])):
-        for name in names[id(p)]:
-            target = state.get(name)
-            if target is not None and id(target) not in written:
-                local_tensor(target).copy_(value)
-                written.add(id(target))
-    return written
-
-
-def _all_params(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:
-    """Every parameter of ``params`` (tensors or param groups), in order, each once."""
-    found: dict[torch.Tensor, None] = {}
-    for item in params:
-        for p in item["params"] if isinstance(item, dict) else [item]:
-            found.setdefault(p, None)
-    return list(found)
-
-
-def _by_dtype_and_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Group tensors so each group flattens into one buffer without casting: one collective each."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
