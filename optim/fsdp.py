@@ -44,6 +44,7 @@ from .checkpoint import load_rank_state
 from .exchanges import Exchange, Exchanged
 from .fsdp_units import UnitVotes, fsdp_units
 from .params import local_tensor
+from .shards import shard_specs, vote_shards
 from .sign_vote import SignVoteOptimizer
 
 __all__ = ["ShardedExchange", "check_checkpoint_layout", "node_mesh", "register_fsdp_vote"]
@@ -125,31 +126,20 @@ class ShardedExchange(Exchange):
         every rank instead of voting one unit's gradients against another's of the same size."""
         if grads is None:
             grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
-        grad_of = dict(zip(params, grads))
-        voted, averaged = optimizer.split_by_path(params)
-        finish = None
-        if any(optimizer.finishes(g, path) for g, _, path in voted):
-            finish = lambda i, signs: optimizer.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
         step, skipped = optimizer.steps_taken, self.voter.stats.skipped
         units = len(self.units.units) if self.units is not None else 0
         tag = step * (units + 1) + (0 if unit is None else unit + 1)
         label = f"{name} step {step}" + ("" if unit is None else f", FSDP unit {unit}")
         try:
-            signs = self.voter.vote(
-                [grad_of[p] for _, p, _ in voted],
-                [self.specs[p] for _, p, _ in voted],
-                lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
-                lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
-                finish,
-                step=step,
+            done = vote_shards(
+                optimizer,
+                self.voter,
+                params,
+                grads,
+                self.specs,
                 label=label,
                 tag=tag,
-            )
-            means = self.voter.mean(
-                [grad_of[p] for _, p, _ in averaged],
-                [tuple(local_tensor(p).shape) for _, p, _ in averaged],
-                tag=tag if unit is not None and not voted else None,  # no vote checked this unit's order
-                label=label,
+                mean_tag=None if unit is None else tag,
             )
         except VoteMismatchError as error:
             if self.units is None:
@@ -161,7 +151,7 @@ class ShardedExchange(Exchange):
                 "register_fsdp_vote"
             ) from error
         self.skipped |= self.voter.stats.skipped != skipped
-        self.results.update(zip([p for _, p, _ in voted + averaged], signs + means))
+        self.results.update(zip([p for _, p, _ in done.voted + done.averaged], done.signs + done.means))
 
     def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
@@ -347,20 +337,13 @@ def register_fsdp_vote(
         groups = [dist.new_group(ranks) for ranks in mesh.mesh.tolist()]
         node_group = groups[mesh.get_coordinate()[0]]
     layout = NodeLayout(dist.get_world_size(), dist.get_rank(), per_node, nodes, node_group, mesh["node"].get_group())
-    voted = [p for g in optimizer.param_groups for p in g["params"] if optimizer.votes(p)]
-    specs = {}
-    for key, p in enumerate(voted):
-        spec = ShardSpec(
-            tuple(p.shape),
-            key,
-            optimizer.owner(p, per_node) if optimizer.route(p)[1] in optimizer.whole_paths else None,
-        )
+    specs = shard_specs(optimizer, per_node)
+    for p, spec in specs.items():
         lo, hi = spec.rows(per_node, layout.local_rank)
         if p.dim() == 0 or local_tensor(p).shape[0] != hi - lo:
             raise ValueError(
                 f"a parameter of shape {tuple(p.shape)} is not split by rows as FSDP2 splits (rows {lo}..{hi} here)"
             )
-        specs[p] = spec
     for p in in_optimizer:  # the optimizer works on this rank's shards from now on
         state = optimizer.state[p]
         for key, value in list(state.items()):
