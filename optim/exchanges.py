@@ -55,6 +55,11 @@ class Exchange:
     def check_serves(self, optimizer) -> None:
         """Raise if this exchange cannot serve ``optimizer`` (when it is chosen)."""
 
+    def local_part(self, param: torch.Tensor) -> torch.Tensor:
+        """What ``param``'s state is shaped like and (its local shard) its update goes to: ``param``
+        itself (a DTensor keeps DTensor state until the FSDP vote takes its shards)."""
+        return param
+
     def params_changed(self, optimizer) -> None:
         """``add_param_group`` is about to add parameters (raise to refuse them)."""
 
