@@ -7,9 +7,12 @@ An optimizer holds one exchange, chosen once:
   the vote across ``process_group`` inside ``step()``;
 * :class:`HookExchange`: the DDP hook (or the backward reducer) ran the pre-vote half and the
   vote during backward, and left the vote in ``.grad``;
-* :class:`~signmuon.optim.fsdp.ShardedExchange`: FSDP2 shards, voted between nodes.
+* :class:`~signmuon.optim.fsdp.ShardedExchange`: FSDP2 shards, voted between nodes;
+* :class:`~signmuon.integrations.deepspeed.zero_muon.ZeroExchange`: DeepSpeed ZeRO's flat
+  partitions, voted between nodes (given at construction: it says where each parameter's state
+  lives, :meth:`Exchange.local_part`).
 
-Each returns :class:`Exchanged`; the optimizer's step loop is the same for all three.
+Each returns :class:`Exchanged`; the optimizer's step loop is the same for all.
 """
 
 from __future__ import annotations
