@@ -18,6 +18,10 @@ gather for those that need the whole tensor (SignMuon's Newton–Schulz). Per st
 5. owned results, after ``finish(i, voted)`` (the post-vote polar step), go back in one
    all-to-all inside the node, each rank receiving only its rows.
 
+A spec's ``ranges`` replace the row shards with any element ranges of the flattened tensor that
+tile it in rank order (DeepSpeed ZeRO's flat partitions, which cut a tensor anywhere, mid-row
+too): every step above is the same, on each rank's range.
+
 The voters are the nodes, as in the node-aware DDP vote (``VoteConfig(hierarchical=True)``),
 which computes the same thing from unsharded node means.
 """
@@ -39,7 +43,7 @@ __all__ = ["ShardSpec", "ShardVoter"]
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One tensor of the vote, sharded by rows over the ranks of a node."""
+    """One tensor of the vote, sharded over the ranks of a node: by rows (FSDP2), or by ``ranges``."""
 
     shape: tuple[int, ...]
     """The whole tensor's shape (dimension 0 is the one FSDP2 shards)."""
@@ -47,6 +51,16 @@ class ShardSpec:
     """The tensor's stable number: it keys the tie coins."""
     owner: int | None = None
     """The local rank that assembles the whole tensor for ``whole``; None: elementwise."""
+    ranges: tuple[tuple[int, int], ...] | None = None
+    """Each local rank's element range [lo, hi) of the flattened tensor, in rank order, tiling it
+    (a ZeRO partition's piece; empty where the partition holds none); None: row shards."""
+
+    def __post_init__(self) -> None:
+        if self.ranges is None:
+            return
+        ends = [0] + [hi for _, hi in self.ranges]
+        if [lo for lo, _ in self.ranges] != ends[:-1] or ends[-1] != math.prod(self.shape) or ends != sorted(ends):
+            raise ValueError(f"ranges {self.ranges} do not tile the {math.prod(self.shape)} entries in rank order")
 
     @property
     def row_numel(self) -> int:
@@ -61,6 +75,27 @@ class ShardSpec:
         c = self.rows_per_rank(ranks_per_node)
         lo = min(rows, local_rank * c)
         return lo, min(rows, lo + c)
+
+    def span(self, ranks_per_node: int, local_rank: int) -> tuple[int, int]:
+        """Entries [lo, hi) of the flattened tensor that ``local_rank`` holds."""
+        if self.ranges is not None:
+            return self.ranges[local_rank]
+        lo, hi = self.rows(ranks_per_node, local_rank)
+        return lo * self.row_numel, hi * self.row_numel
+
+    def capacity(self, ranks_per_node: int) -> int:
+        """The most entries one rank holds: each rank's slot in the all-to-alls, padded to it."""
+        if self.ranges is not None:
+            return max(hi - lo for lo, hi in self.ranges)
+        return self.rows_per_rank(ranks_per_node) * self.row_numel
+
+    def piece_shape(self, ranks_per_node: int, local_rank: int) -> tuple[int, ...]:
+        """The shape of ``local_rank``'s piece: its rows, or a flat range."""
+        if self.ranges is not None:
+            lo, hi = self.ranges[local_rank]
+            return (hi - lo,)
+        lo, hi = self.rows(ranks_per_node, local_rank)
+        return (hi - lo, *self.shape[1:]) if self.shape else ()
 
 
 class ShardVoter:
@@ -128,8 +163,8 @@ class ShardVoter:
         mine = [i for i in whole_idx if specs[i].owner == local]
         owned = {}
         if whole_idx:
-            # Each whole tensor's direction shard, padded to c rows, to its owner alone.
-            size = {i: specs[i].rows_per_rank(L) * specs[i].row_numel for i in whole_idx}
+            # Each whole tensor's direction shard, padded to the largest shard, to its owner alone.
+            size = {i: specs[i].capacity(L) for i in whole_idx}
             by_owner = [[i for i in whole_idx if specs[i].owner == r] for r in range(L)]
             send = torch.zeros(sum(size.values()), dtype=torch.float32, device=device)
             offset = 0
@@ -142,18 +177,18 @@ class ShardVoter:
             offset = 0
             for i in mine:
                 if usable[i]:
-                    rows = received[:, offset : offset + size[i]].reshape(-1)[: math.prod(specs[i].shape)]
-                    owned[i] = whole(i, rows.view(specs[i].shape))
+                    spans = [specs[i].span(L, s) for s in range(L)]
+                    entries = torch.cat([received[s, offset : offset + hi - lo] for s, (lo, hi) in enumerate(spans)])
+                    owned[i] = whole(i, entries.view(specs[i].shape))
                 offset += size[i]
         # This rank's rail vote: its shards of elementwise tensors, then the whole tensors it owns.
         pieces, keys, firsts = [], [], []
         for i, spec in enumerate(specs):
             if spec.owner is None:
-                lo, hi = spec.rows(L, local)
-                n = (hi - lo) * spec.row_numel
-                pieces.append(dirs[i].reshape(-1) if dirs[i] is not None else torch.zeros(n, device=device))
+                lo, hi = spec.span(L, local)
+                pieces.append(dirs[i].reshape(-1) if dirs[i] is not None else torch.zeros(hi - lo, device=device))
                 keys.append(spec.key)
-                firsts.append(lo * spec.row_numel)
+                firsts.append(lo)
         for i in mine:
             n = math.prod(specs[i].shape)
             pieces.append(owned[i].reshape(-1) if i in owned else torch.zeros(n, device=device))
@@ -176,10 +211,9 @@ class ShardVoter:
         cursor = 0
         for i, spec in enumerate(specs):
             if spec.owner is None:
-                lo, hi = spec.rows(L, local)
-                n = (hi - lo) * spec.row_numel
-                results[i] = voted[cursor : cursor + n].view((hi - lo, *spec.shape[1:]) if spec.shape else ())
-                cursor += n
+                lo, hi = spec.span(L, local)
+                results[i] = voted[cursor : cursor + hi - lo].view(spec.piece_shape(L, local))
+                cursor += hi - lo
         if whole_idx:
             self._scatter_owned(voted[cursor:], specs, whole_idx, finish, results, device)
         return results  # type: ignore[return-value]
@@ -191,9 +225,9 @@ class ShardVoter:
 
     def _scatter_owned(self, voted, specs, whole_idx, finish, results, device) -> None:
         """Every owner's voted whole tensors (after ``finish``) back to the ranks that hold their
-        rows, each rank receiving its rows alone (padded to c rows): one all-to-all in the node."""
+        shards, each rank receiving its shard alone (padded to the largest): one all-to-all in the node."""
         L, local = self.layout.ranks_per_node, self.layout.local_rank
-        size = {i: specs[i].rows_per_rank(L) * specs[i].row_numel for i in whole_idx}
+        size = {i: specs[i].capacity(L) for i in whole_idx}
         by_owner = [[i for i in whole_idx if specs[i].owner == r] for r in range(L)]
         dtype = torch.int8 if finish is None else torch.float32  # signs travel as one byte each
         mine = sum(size[i] for i in by_owner[local])
@@ -203,11 +237,11 @@ class ShardVoter:
             spec = specs[i]
             n = math.prod(spec.shape)
             done = voted[cursor : cursor + n].view(spec.shape)
-            done = finish(i, done) if finish is not None else done
+            done = (finish(i, done) if finish is not None else done).reshape(-1)
             for s in range(L):
-                lo, hi = spec.rows(L, s)
+                lo, hi = spec.span(L, s)
                 start = s * mine + offset
-                send[start : start + (hi - lo) * spec.row_numel] = done[lo:hi].reshape(-1)
+                send[start : start + hi - lo] = done[lo:hi]
             cursor += n
             offset += size[i]
         splits = [sum(size[i] for i in by_owner[r]) for r in range(L)]
@@ -216,10 +250,8 @@ class ShardVoter:
         for r in range(L):
             offset = starts[r]
             for i in by_owner[r]:
-                spec = specs[i]
-                lo, hi = spec.rows(L, local)
-                rows = received[offset : offset + (hi - lo) * spec.row_numel]
-                results[i] = rows.view((hi - lo, *spec.shape[1:])).float()
+                lo, hi = specs[i].span(L, local)
+                results[i] = received[offset : offset + hi - lo].view(specs[i].piece_shape(L, local)).float()
                 offset += size[i]
 
     def mean(

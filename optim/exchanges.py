@@ -7,9 +7,12 @@ An optimizer holds one exchange, chosen once:
   the vote across ``process_group`` inside ``step()``;
 * :class:`HookExchange`: the DDP hook (or the backward reducer) ran the pre-vote half and the
   vote during backward, and left the vote in ``.grad``;
-* :class:`~signmuon.optim.fsdp_exchange.ShardedExchange`: FSDP2 shards, voted between nodes.
+* :class:`~signmuon.optim.fsdp_exchange.ShardedExchange`: FSDP2 shards, voted between nodes;
+* :class:`~signmuon.integrations.deepspeed.zero_muon.ZeroExchange`: DeepSpeed ZeRO's flat
+  partitions, voted between nodes (given at construction: it says where each parameter's state
+  lives, :meth:`Exchange.local_part`).
 
-Each returns :class:`Exchanged`; the optimizer's step loop is the same for all three.
+Each returns :class:`Exchanged`; the optimizer's step loop is the same for all.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class Exchange:
 
     def check_serves(self, optimizer) -> None:
         """Raise if this exchange cannot serve ``optimizer`` (when it is chosen)."""
+
+    def local_part(self, param: torch.Tensor) -> torch.Tensor:
+        """What ``param``'s state is shaped like and (its local shard) its update goes to: ``param``
+        itself (a DTensor keeps DTensor state until the FSDP vote takes its shards)."""
+        return param
 
     def params_changed(self, optimizer) -> None:
         """``add_param_group`` is about to add parameters (raise to refuse them)."""

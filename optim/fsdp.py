@@ -36,12 +36,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from signmuon.comm_hooks.dist import check_same_settings, group_device
-from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
+from signmuon.comm_hooks.shard_vote import ShardVoter
 from signmuon.comm_hooks.vote import NodeLayout
 
 from .fsdp_exchange import ShardedExchange
 from .fsdp_units import UnitVotes, fsdp_units
 from .params import local_tensor
+from .shards import shard_specs
 from .sign_vote import SignVoteOptimizer
 
 __all__ = ["ShardedExchange", "check_checkpoint_layout", "node_mesh", "register_fsdp_vote"]
@@ -165,20 +166,13 @@ def register_fsdp_vote(
         groups = [dist.new_group(ranks) for ranks in mesh.mesh.tolist()]
         node_group = groups[mesh.get_coordinate()[0]]
     layout = NodeLayout(dist.get_world_size(), dist.get_rank(), per_node, nodes, node_group, mesh["node"].get_group())
-    voted = [p for g in optimizer.param_groups for p in g["params"] if optimizer.votes(p)]
-    specs = {}
-    for key, p in enumerate(voted):
-        spec = ShardSpec(
-            tuple(p.shape),
-            key,
-            optimizer.owner(p, per_node) if optimizer.route(p)[1] in optimizer.whole_paths else None,
-        )
+    specs = shard_specs(optimizer, per_node)
+    for p, spec in specs.items():
         lo, hi = spec.rows(per_node, layout.local_rank)
         if p.dim() == 0 or local_tensor(p).shape[0] != hi - lo:
             raise ValueError(
                 f"a parameter of shape {tuple(p.shape)} is not split by rows as FSDP2 splits (rows {lo}..{hi} here)"
             )
-        specs[p] = spec
     for p in in_optimizer:  # the optimizer works on this rank's shards from now on
         state = optimizer.state[p]
         for key, value in list(state.items()):

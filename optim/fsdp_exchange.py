@@ -19,6 +19,7 @@ from .checkpoint import load_rank_state
 from .exchanges import Exchange, Exchanged
 from .fsdp_units import UnitVotes
 from .params import local_tensor
+from .shards import vote_shards
 from .sign_vote import SignVoteOptimizer
 
 __all__ = ["ShardedExchange"]
@@ -67,31 +68,20 @@ class ShardedExchange(Exchange):
         every rank instead of voting one unit's gradients against another's of the same size."""
         if grads is None:
             grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
-        grad_of = dict(zip(params, grads))
-        voted, averaged = optimizer.split_by_path(params)
-        finish = None
-        if any(optimizer.finishes(g, path) for g, _, path in voted):
-            finish = lambda i, signs: optimizer.finish_vote(voted[i][0], voted[i][1], signs, voted[i][2])  # noqa: E731
         step, skipped = optimizer.steps_taken, self.voter.stats.skipped
         units = len(self.units.units) if self.units is not None else 0
         tag = step * (units + 1) + (0 if unit is None else unit + 1)
         label = f"{name} step {step}" + ("" if unit is None else f", FSDP unit {unit}")
         try:
-            signs = self.voter.vote(
-                [grad_of[p] for _, p, _ in voted],
-                [self.specs[p] for _, p, _ in voted],
-                lambda i, grad: optimizer.elementwise_direction(voted[i][1], grad),
-                lambda i, direction: optimizer.whole_direction(voted[i][1], direction),
-                finish,
-                step=step,
+            done = vote_shards(
+                optimizer,
+                self.voter,
+                params,
+                grads,
+                self.specs,
                 label=label,
                 tag=tag,
-            )
-            means = self.voter.mean(
-                [grad_of[p] for _, p, _ in averaged],
-                [tuple(local_tensor(p).shape) for _, p, _ in averaged],
-                tag=tag if unit is not None and not voted else None,  # no vote checked this unit's order
-                label=label,
+                mean_tag=None if unit is None else tag,
             )
         except VoteMismatchError as error:
             if self.units is None:
@@ -103,7 +93,7 @@ class ShardedExchange(Exchange):
                 "register_fsdp_vote"
             ) from error
         self.skipped |= self.voter.stats.skipped != skipped
-        self.results.update(zip([p for _, p, _ in voted + averaged], signs + means))
+        self.results.update(zip([p for _, p, _ in done.voted + done.averaged], done.signs + done.means))
 
     def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,

@@ -96,6 +96,7 @@ class SignMuon(SignVoteOptimizer):
         vote_in_step (bool): as :class:`SignumMV`.
         checkpoint_all_ranks (bool): as :class:`SignumMV`.
         master_weights (bool): as :class:`SignumMV`.
+        exchange (Exchange): as :class:`SignumMV`.
 
     Under the DDP hook (or :meth:`register_backward_reducer`), ``step()`` applies the *sign* of
     what the vote left in ``.grad`` (and leaves that sign in ``.grad``), so gradient clipping,
@@ -173,8 +174,9 @@ class SignMuon(SignVoteOptimizer):
     def init_state(self, state: dict[str, Any], param: torch.Tensor, path: str) -> None:
         if path != "adamw":
             return super().init_state(state, param, path)
-        state["exp_avg"] = torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
+        like = self.exchange.local_part(param)  # the parameter, or this rank's piece of it (ZeRO)
+        state["exp_avg"] = torch.zeros_like(like, dtype=state_dtype(param), memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(like, dtype=state_dtype(param), memory_format=torch.preserve_format)
         state["step"] = torch.tensor(0.0)
         self.init_master(state, param)
 

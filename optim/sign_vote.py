@@ -71,6 +71,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     arguments as :class:`~signmuon.optim.SignumMV`."""
 
     whole_paths: tuple[str, ...] = ()  # paths whose whole_direction needs the whole tensor
+    fixed_settings: tuple[str, ...] = ("exchange",)  # what a spec may not set (sign_optimizer_from_spec)
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         vote_in_step: bool = False,
         checkpoint_all_ranks: bool = False,
         master_weights: bool = False,
+        exchange: Exchange | None = None,
     ) -> None:
         self.vote_config = VoteConfig.of(vote)
         self.master_weights = bool(master_weights)
@@ -92,7 +94,11 @@ class SignVoteOptimizer(torch.optim.Optimizer):
         self._paths: dict[torch.Tensor, tuple[int, str]] = {}  # param -> (group index, path)
         self._owners: tuple[int, dict[torch.Tensor, int]] | None = None  # (L, param -> owning local rank)
         self.process_group = process_group  # sets the default exchange, voting in step()
+        if exchange is not None:  # before the groups: it says where their state lives
+            self.exchange = exchange
         super().__init__(params, defaults)
+        if exchange is not None:
+            exchange.check_serves(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -136,19 +142,23 @@ class SignVoteOptimizer(torch.optim.Optimizer):
     def init_state(self, state: dict[str, Any], param: torch.Tensor, path: str) -> None:
         """Eager, rank-symmetric state: the same keys and shapes on every rank from step 0."""
         state["momentum_buffer"] = torch.zeros_like(
-            param, dtype=state_dtype(param), memory_format=torch.preserve_format
+            self.exchange.local_part(param), dtype=state_dtype(param), memory_format=torch.preserve_format
         )
         self.init_master(state, param)
 
     def init_master(self, state: dict[str, Any], param: torch.Tensor) -> None:
         """With ``master_weights``, a float32 copy of a 16-bit parameter, which the updates go to."""
         if self.master_weights and state_dtype(param) != param.dtype:
-            state["master_weight"] = local_tensor(param).detach().to(torch.float32, copy=True)
+            state["master_weight"] = self.local_part(param).detach().to(torch.float32, copy=True)
+
+    def local_part(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``param``: its shard (FSDP2), its piece of a ZeRO partition, or itself."""
+        return local_tensor(self.exchange.local_part(param))
 
     def update_target(self, param: torch.Tensor) -> torch.Tensor:
-        """The tensor an update goes to: the master weight if there is one, else (this rank's part of) ``param``."""
+        """The tensor an update goes to: the master weight if there is one, else :meth:`local_part`."""
         master = self.state[param].get("master_weight")
-        return local_tensor(param) if master is None else master
+        return self.local_part(param) if master is None else master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.exchange.params_changed(self)
@@ -315,7 +325,7 @@ class SignVoteOptimizer(torch.optim.Optimizer):
             self.apply_mean(group, p, g, bad)
         for _, p, _ in voted + averaged:
             if "master_weight" in self.state[p]:
-                local_tensor(p).copy_(self.state[p]["master_weight"])  # the parameter: the master, rounded
+                self.local_part(p).copy_(self.state[p]["master_weight"])  # the parameter: the master, rounded
         self.steps_taken += 1
         self.exchange.stepped()
         return loss

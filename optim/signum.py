@@ -43,6 +43,8 @@ class SignumMV(SignVoteOptimizer):
             updates go to it and the parameter becomes its rounded copy, so steps smaller than
             the parameter's 16-bit spacing add up. Momentum is float32 for 16-bit parameters
             either way.
+        exchange (Exchange): vote through it from the start, not in ``step()``: an integration's
+            (DeepSpeed ZeRO's partitions), which also says where each parameter's state lives.
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class SignumMV(SignVoteOptimizer):
         super().__init__(
             params,
             dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
-            **options,  # vote, process_group, vote_in_step, checkpoint_all_ranks, master_weights
+            **options,  # vote, process_group, vote_in_step, checkpoint_all_ranks, master_weights, exchange
         )
 
     def check_group(self, group: dict[str, Any]) -> None:
@@ -70,7 +72,7 @@ class SignSGDMV(SignumMV):
     """signSGD with majority vote: Signum without momentum (each worker votes sign(g)).
     Arguments as :class:`SignumMV`, without ``momentum``."""
 
-    fixed_settings = ("momentum",)  # what a spec may not set (sign_optimizer_from_spec)
+    fixed_settings = ("momentum", *SignumMV.fixed_settings)
 
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3, **options: Any

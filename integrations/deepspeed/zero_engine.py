@@ -25,10 +25,11 @@ from .zero import (
     refuse_model,
     zero_layout,
 )
+from .zero_muon import sign_muon_on_partitions
 
 __all__ = ["initialize_zero"]
 
-ZERO_OPTIMIZERS = ("signummv", "signsgdmv")  # elementwise: a flat partition is all they need
+WHOLE_TENSOR_OPTIMIZERS = ("signmuon",)  # Newton–Schulz needs whole matrices: built on the parameters (.zero_muon)
 
 
 def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwargs: dict, model_parameters=None):
@@ -43,12 +44,6 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
             'from the "vote" section, or use "zero_optimization": {"stage": 0} for a flat vote'
         )
     vote = VoteConfig.from_dict(section)
-    if name.lower() not in ZERO_OPTIMIZERS:
-        raise ValueError(
-            f"optimizer {name} with ZeRO stage {config['zero_optimization'].get('stage')}: Newton–Schulz needs whole matrices, which ZeRO's flat "
-            'partitions cut; use SignumMV or SignSGDMV with ZeRO, or "zero_optimization": {"stage": 0} for '
-            "SignMuon, or FSDP2 with signmuon.optim.register_fsdp_vote"
-        )
     check_zero_config(config, name, kwargs)
     refuse_model(model, name)
     spec = {"type": name, "params": config["optimizer"].get("params", {})}
@@ -76,14 +71,19 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
         model=model, config=rest, optimizer=placeholder, mpu=NodePartitionMPU(layout), **kwargs
     )
     # ZeRO has replaced each group's parameters with this rank's flat fp32 partition: the
-    # optimizer that steps them is built on those (its state keyed by the partitions).
+    # optimizer that steps them is built on those (its state keyed by the partitions), or, for
+    # SignMuon, on the model's parameters with its state on their pieces of the partition.
     # The group keeps what its caller set and the lr DeepSpeed's scheduler may have set since.
     (group,) = placeholder.param_groups
     groups = [{k: group[k] for k in {"params", "lr", *given[0]}}]
-    opt = sign_optimizer_from_spec(spec, groups, **options, process_group=layout.rail_group)
-    zero_optimizer.optimizer = opt
+    if name.lower() in WHOLE_TENSOR_OPTIMIZERS:
+        settings = {k: v for k, v in groups[0].items() if k != "params"}
+        opt, base = sign_muon_on_partitions(zero_optimizer, spec, settings, layout, vote, reserved)
+    else:
+        opt = base = sign_optimizer_from_spec(spec, groups, **options, process_group=layout.rail_group)
+    zero_optimizer.optimizer = base
     if getattr(scheduler, "optimizer", None) is placeholder:
-        scheduler.optimizer = opt
+        scheduler.optimizer = base
     agree_overflow(zero_optimizer, vote, opt.stats)
     if dist.get_rank() >= layout.ranks_per_node:  # DeepSpeed's files: node 0 writes them, the others would clash
         engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False

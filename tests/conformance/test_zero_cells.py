@@ -1,6 +1,6 @@
 """Conformance of DeepSpeed ZeRO-1/2 with the vote between nodes (2 nodes x 2 ranks, one spawn):
-each cell equals the single-process node-level reference of tests/test_deepspeed_zero.py on
-every rank, or raises its refusal on every rank."""
+each cell equals the single-process node-level reference of tests/zero_world.py on every rank
+(SignumMV bit for bit, SignMuon to float tolerance), or raises its refusal on every rank."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import torch
 import torch.distributed as dist
 
 from signmuon.integrations.deepspeed import initialize
-from tests.test_deepspeed_zero import _config, _model, _train, node_reference
+from tests.zero_world import ds_config, node_reference, train_engine, zero_model
 
 from .cells import Cell, check_cells
 
 WORLD = 4
+MUON_ATOL = 1e-6  # SignMuon: Newton–Schulz in other processes, the same float32 math
 
 
-def _entry(stage: int) -> str:
-    return f"SignumMV, DeepSpeed ZeRO-{stage}"
+def _entry(stage: int, name: str = "SignumMV") -> str:
+    return f"{name}, DeepSpeed ZeRO-{stage}"
 
 
 def _folder() -> str:
@@ -35,25 +36,25 @@ def _done(folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def trained(rank, world_size, stage, gas, steps=3, **vote):
-    model = _model(seed=rank)  # each rank its own init: rank 0's must reach every node
-    config = _config(stage, gas)
+def trained(rank, world_size, stage, gas, steps=3, name="SignumMV", **vote):
+    model = zero_model(seed=rank)  # each rank its own init: rank 0's must reach every node
+    config = ds_config(stage, gas, name)
     config["vote"] |= vote
     engine, _, _, _ = initialize(model=model, config=config)
-    return _train(engine, model, rank, steps, gas)[-1]
+    return train_engine(engine, model, rank, steps, gas)[-1]
 
 
-def last_reference(world_size, gas, steps=3, ranks_per_node=2):
-    return node_reference(world_size, gas, steps=steps, ranks_per_node=ranks_per_node)[-1]
+def last_reference(world_size, gas, steps=3, ranks_per_node=2, muon=False):
+    return node_reference(world_size, gas, steps=steps, ranks_per_node=ranks_per_node, muon=muon)[-1]
 
 
-def nan_on_one_rank(rank, world_size, stage, raise_=False):
-    model = _model()
-    config = _config(stage, 1)
+def nan_on_one_rank(rank, world_size, stage, raise_=False, name="SignumMV"):
+    model = zero_model()
+    config = ds_config(stage, 1, name)
     if raise_:
         config["vote"]["nonfinite"] = "raise"
     engine, _, _, _ = initialize(model=model, config=config)
-    history = _train(engine, model, rank, 3, 1, bad_step=1)
+    history = train_engine(engine, model, rank, 3, 1, bad_step=1)
     return {"nan step moved nothing": torch.tensor(all(torch.equal(a, b) for a, b in zip(history[0], history[1])))}
 
 
@@ -61,19 +62,19 @@ def nothing_moved(world_size):
     return {"nan step moved nothing": torch.tensor(True)}
 
 
-def resumed(rank, world_size, stage, load_ranks_per_node=2):
+def resumed(rank, world_size, stage, load_ranks_per_node=2, name="SignumMV"):
     folder = _folder()
     try:
-        model = _model()
-        engine, _, _, _ = initialize(model=model, config=_config(stage, 2))
-        _train(engine, model, rank, 2, 2)
+        model = zero_model()
+        engine, _, _, _ = initialize(model=model, config=ds_config(stage, 2, name))
+        train_engine(engine, model, rank, 2, 2)
         engine.save_checkpoint(folder, tag="t")
-        model = _model(seed=100 + rank)
-        config = _config(stage, 2)
+        model = zero_model(seed=100 + rank)
+        config = ds_config(stage, 2, name)
         config["vote"]["ranks_per_node"] = load_ranks_per_node
         engine, _, _, _ = initialize(model=model, config=config)
         engine.load_checkpoint(folder, tag="t")
-        return _train(engine, model, rank, 2, 2, start=2)[-1]
+        return train_engine(engine, model, rank, 2, 2, start=2)[-1]
     finally:
         _done(folder)
 
@@ -142,6 +143,50 @@ def zero_cells() -> list[Cell]:
             "ranks_per_node=3 on 4 ranks: refused on every rank",
             partial(trained, stage=2, gas=1, ranks_per_node=3),
             refusal="must be one number that divides",
+        )
+    )
+    return cells + muon_cells()
+
+
+def muon_cells() -> list[Cell]:
+    """SignMuon on the flat partitions: each matrix cut across them goes to its owner for Newton–Schulz."""
+    muon = dict(name="SignMuon")
+    cells = []
+    for stage, gas in ((1, 1), (2, 2)):
+        cells.append(
+            Cell(
+                _entry(stage, "SignMuon"),
+                "who votes",
+                f"2 nodes x 2 ranks, accumulation {gas}: the first matrix cut mid-row between the partitions",
+                partial(trained, stage=stage, gas=gas, **muon),
+                partial(last_reference, gas=gas, muon=True),
+                atol=MUON_ATOL,
+            )
+        )
+    for ranks_per_node, case in (
+        (4, "one node of 4 ranks: no vote, the sign of Newton–Schulz of the node's momentum"),
+        (1, "4 nodes of one rank: nothing partitioned, every rank owns every matrix and votes"),
+    ):
+        run = partial(trained, stage=2, gas=1, ranks_per_node=ranks_per_node, **muon)
+        reference = partial(last_reference, gas=1, ranks_per_node=ranks_per_node, muon=True)
+        cells.append(Cell(_entry(2, "SignMuon"), "who votes", case, run, reference, atol=MUON_ATOL))
+    cells.append(
+        Cell(
+            _entry(2, "SignMuon"),
+            "what runs after the hook",
+            "NaN in one tensor on one rank of node 0: every rank skips the step",
+            partial(nan_on_one_rank, stage=2, **muon),
+            nothing_moved,
+        )
+    )
+    cells.append(
+        Cell(
+            _entry(2, "SignMuon"),
+            "whose state comes back",
+            "save_checkpoint after 2 of 4 steps, a fresh engine loads: each rank's pieces of the node's momentum",
+            partial(resumed, stage=2, **muon),
+            partial(last_reference, gas=2, steps=4, muon=True),
+            atol=MUON_ATOL,
         )
     )
     return cells
