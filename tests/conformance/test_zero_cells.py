@@ -181,10 +181,10 @@ def muon_cells() -> list[Cell]:
     )
     cells.append(
         Cell(
-            _entry(2, "SignMuon"),
+            _entry(1, "SignMuon"),
             "whose state comes back",
             "save_checkpoint after 2 of 4 steps, a fresh engine loads: each rank's pieces of the node's momentum",
-            partial(resumed, stage=2, **muon),
+            partial(resumed, stage=1, **muon),
             partial(last_reference, gas=2, steps=4, muon=True),
             atol=MUON_ATOL,
         )
