@@ -56,7 +56,7 @@ class SignMuonHookState(VoteHookState):
     between the last bucket and ``step()``, which checks it and sets it back to 0).
     """
 
-    __slots__ = ("optimizer", "passes", "raised_seen")
+    __slots__ = ("optimizer", "passes", "raised_seen", "skipped_seen")
     _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer", "iter")
 
     def __init__(
@@ -76,6 +76,7 @@ class SignMuonHookState(VoteHookState):
         super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
         self.passes = 0
         self.raised_seen = 0  # ``raised`` at the last step: passes since then that raised
+        self.skipped_seen = 0  # ``stats.skipped`` at the last step: votes skipped since then
 
     def check_one_pass(self, name: str) -> None:
         """For ``name.step()``: raise unless exactly one backward pass ran the hook since the
@@ -97,10 +98,16 @@ class SignMuonHookState(VoteHookState):
             )
         self.raised_seen = self.raised
 
+    def skipped_since_step(self) -> bool:
+        """Whether a vote since the last step was skipped (NaN or Inf on some rank, the same on
+        every rank): ``step()`` then moves no voted parameter, as one vote of the whole step would."""
+        return self.stats.skipped != self.skipped_seen
+
     def stepped(self) -> None:
         """The optimizer stepped (or loaded a checkpoint): no pass is pending."""
         self.passes = 0
         self.raised_seen = self.raised
+        self.skipped_seen = self.stats.skipped
 
     @property
     def iter(self) -> int:

@@ -94,11 +94,15 @@ class HookExchange(Exchange):
     def exchange(self, optimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         """The hook left the vote in ``.grad`` (and the mean of averaged parameters): its sign undoes
         any rescaling since (clipping), taken in place (a fresh tensor per parameter per step costs
-        more than the sign itself)."""
+        more than the sign itself). A bucket's vote skipped for NaN or Inf skips every voted
+        parameter, as ``vote_in_step``'s one vote of the step (and the FSDP vote) does."""
         refuse_dtensors(params, name)
         self.state.check_one_pass(name)
         voted, averaged = optimizer.split_by_path([p for p in params if p.grad is not None])
-        return Exchanged(voted, [p.grad.sign_() for _, p, _ in voted], averaged, [p.grad for _, p, _ in averaged])
+        signs = [p.grad.sign_() for _, p, _ in voted]
+        if self.state.skipped_since_step():
+            signs = [s.zero_() for s in signs]
+        return Exchanged(voted, signs, averaged, [p.grad for _, p, _ in averaged])
 
     def stepped(self) -> None:
         self.state.stepped()  # the backward pass it checked is now stepped
