@@ -34,6 +34,7 @@ from .exchanges import Exchange, HookExchange, InStepExchange
 from .functional import signum_direction, step_size
 from .newton_schulz import assign_owners, newton_schulz_cost
 from .params import local_tensor, refuse_sparse, refuse_sparse_gradients, state_dtype
+from .scaling import GradScalerSupport
 
 __all__ = ["SignVoteOptimizer"]
 
@@ -65,7 +66,7 @@ def _settings(optimizer: "SignVoteOptimizer") -> dict[str, Any]:
     }
 
 
-class SignVoteOptimizer(torch.optim.Optimizer):
+class SignVoteOptimizer(GradScalerSupport, torch.optim.Optimizer):
     """Base of the sign-vote optimizers: ``W <- W - lr*vote(sign(direction_i)) - lr*lambda*W``.
     Subclasses set the defaults and override the math (docs/design.md, "Adding an optimizer");
     arguments as :class:`~signmuon.optim.SignumMV`."""
@@ -115,6 +116,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
                 "takes one of the DDP hook, the backward reducer and register_fsdp_vote"
             )
         exchange.check_serves(self)
+        if self.grad_scaler is not None:
+            exchange.use_grad_scaler(self, self.grad_scaler)
         self.exchange = exchange
 
     # -- parameter routing and eager state ------------------------------------------------

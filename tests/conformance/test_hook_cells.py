@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignumMV
 
+from . import scaler_world
 from .cells import Cell, check_cells
 from .ddp_world import ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
 
@@ -123,8 +124,13 @@ def four_rank_cells() -> list[Cell]:
     return cells
 
 
+def overflow_cells() -> list[Cell]:
+    """GradScaler, autocast, clipping after unscale_, NaN on one rank: :mod:`.scaler_world`."""
+    return scaler_world.scaler_cells()
+
+
 def test_hooks_and_optimizers_on_two_ranks():
-    check_cells(two_rank_cells(), 2)
+    check_cells(two_rank_cells() + overflow_cells(), 2)
 
 
 def test_who_votes_on_four_ranks():
