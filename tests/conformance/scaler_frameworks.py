@@ -141,6 +141,8 @@ def _with_skipped(config: ScalerConfig, world_size: int) -> dict:
 
 
 def framework_scaler_cells() -> list[Cell]:
+    """Lightning, Accelerate and the HF Trainer under mixed precision (run before the resume cells,
+    whose Lightning fits leave the environment edited)."""
     nan_at_1 = ((0, 1, "all"),)
     cells = []
     for kind in ("SignumMV", "SignMuon"):
@@ -180,4 +182,66 @@ def framework_scaler_cells() -> list[Cell]:
             refusal=refusal,
         )
     )
-    return cells
+    return hf_cells() + cells  # the HF Trainer first: Lightning's launch leaves the environment Accelerate reads
+
+
+def _gpt2_fit(kind: str, output_dir: str, scaler: bool) -> list[torch.Tensor]:
+    """A 1-layer GPT-2 from a config through SignTrainer (6 steps, ``max_grad_norm`` 1.0), with a
+    GradScaler handed to its Accelerator (what fp16 makes on a GPU) whose scale doubles every 2 steps."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from signmuon.integrations.transformers import SignTrainer
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    model = GPT2LMHeadModel(config)
+    ids = [(torch.arange(16) * 3 + i % 8) % 32 for i in range(64)]
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=0.01,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    spec = {"type": kind, "params": {"momentum": 0.9} if kind == "SignumMV" else {}}
+    data = [{"input_ids": t, "labels": t} for t in ids]
+    trainer = SignTrainer(model=model, args=args, train_dataset=data, sign_optimizer=spec)
+    if scaler:
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    trainer.train()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def hf_trainer(rank: int, world_size: int, kind: str) -> dict:
+    """The fit under a GradScaler against the same fit without one, in this spawn."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        scaled, plain = _gpt2_fit(kind, folder, True), _gpt2_fit(kind, folder, False)
+    return {
+        "entries that differ from the fit without a scaler": sum(int((a != b).sum()) for a, b in zip(scaled, plain))
+    }
+
+
+def _none_differ(world_size: int) -> dict:
+    return {"entries that differ from the fit without a scaler": 0}
+
+
+def hf_cells() -> list[Cell]:
+    return [
+        Cell(
+            "HF Trainer",
+            KLASS,
+            f"{kind}, a GradScaler (fp16's on a GPU) whose scale doubles every 2 steps = the fit without one",
+            partial(hf_trainer, kind=kind),
+            _none_differ,
+        )
+        for kind in ("SignumMV", "SignMuon")
+    ]
