@@ -100,7 +100,7 @@ class VoteHookState:
         # Once a flat vote has run, every bucket's vote headers carry (iteration, bucket) and are
         # compared on every rank: the per-iteration agreement (a host read) is then redundant.
         self.headers_agree = False
-        self.pending = VotePipeline(self.defer)  # this backward pass's votes still in flight
+        self.pending = VotePipeline(self.defer, self.hand_skipped)  # this backward pass's votes still in flight
 
     def settings(self) -> dict:
         """What must be equal on every rank (compared once, at the first hook call)."""
@@ -173,6 +173,11 @@ class VoteHookState:
         if bucket.is_last():
             self.iter += 1
             self.bucket_calls = 0
+
+    def hand_skipped(self, bucket: torch.Tensor) -> torch.Tensor:
+        """What DDP gets for a bucket whose vote was skipped (NaN or Inf on some rank): ``bucket``,
+        zeroed by the vote (a hook state whose optimizer trains under a GradScaler makes it NaN)."""
+        return bucket
 
     def defer(self, error: NonFiniteError, flag: torch.Tensor | None = None) -> None:
         """Raise ``error`` once DDP's backward is done (:meth:`DeferredErrors.defer`)."""

@@ -18,16 +18,22 @@ class VotePipeline:
     Collectives are issued here, on the autograd thread, oldest bucket first, so every rank
     issues the same sequence; a vote's second transport step thus overlaps the next bucket's
     backward. A ``NonFiniteError`` (raised on every rank alike) goes to ``defer`` and the bucket
-    is zeroed; any other error fails every pending future, so DDP never waits forever.
+    is zeroed; any other error fails every pending future, so DDP never waits forever. A vote
+    skipped for NaN or Inf hands DDP what ``skipped(tensor)`` makes of its zeroed result.
     """
 
-    __slots__ = ("_pending", "_defer")
+    __slots__ = ("_pending", "_defer", "_skipped")
 
-    def __init__(self, defer: Callable[[NonFiniteError], None]) -> None:
+    def __init__(
+        self,
+        defer: Callable[[NonFiniteError], None],
+        skipped: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self._pending: collections.deque[
             tuple[VoteWork | NodeVoteWork | OwnedVoteWork, torch.futures.Future, Callable | None]
         ] = collections.deque()
         self._defer = defer
+        self._skipped = skipped
 
     def add(self, work, fut: torch.futures.Future, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Track ``work``, whose result (mapped by ``finish``) completes DDP's ``fut``."""
@@ -40,7 +46,10 @@ class VotePipeline:
             for work, fut, finish in self._pending:
                 if drain or work.advanced:
                     voted = self._advance(work, to_end=True)
-                    fut.set_result(voted if finish is None else finish(voted))
+                    result = voted if finish is None else finish(voted)
+                    if self._skipped is not None and work.skipped:
+                        result = self._skipped(result)
+                    fut.set_result(result)
                 else:
                     self._advance(work, to_end=False)
                     remaining.append((work, fut, finish))

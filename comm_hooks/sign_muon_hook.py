@@ -44,6 +44,10 @@ class WorkerDirections(Protocol):
     def steps_taken(self) -> int:
         """Optimizer steps so far: the iteration counter the hook votes under."""
 
+    @property
+    def grad_scaler(self):
+        """The ``torch.amp.GradScaler`` the optimizer trains under, or None."""
+
 
 class SignMuonHookState(VoteHookState):
     """State of :func:`sign_muon_hook`: the vote settings plus the optimizer owning the math.
@@ -54,10 +58,15 @@ class SignMuonHookState(VoteHookState):
     One iteration counter: the hook's ``iter`` is the optimizer's ``steps_taken`` plus the
     backward passes the hook has finished since the last step (``passes``: 0 during backward, 1
     between the last bucket and ``step()``, which checks it and sets it back to 0).
+
+    Under the optimizer's GradScaler (``opt.use_grad_scaler``) each pass reads the scale at its
+    first bucket and divides the voted gradients by it before their direction; a vote skipped
+    for NaN or Inf is handed on as NaN (the scaler then skips the step and backs off on every
+    rank); a pass followed by a lower scale and no step was such a skipped step, and is dropped.
     """
 
-    __slots__ = ("optimizer", "passes", "raised_seen")
-    _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer", "iter")
+    __slots__ = ("optimizer", "passes", "raised_seen", "skipped_seen", "scale")
+    _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer", "iter", "scale")
 
     def __init__(
         self,
@@ -76,6 +85,36 @@ class SignMuonHookState(VoteHookState):
         super().__init__(process_group, vote=vote, check_replicas_every=check_replicas_every)
         self.passes = 0
         self.raised_seen = 0  # ``raised`` at the last step: passes since then that raised
+        self.skipped_seen = 0  # ``stats.skipped`` at the last step: votes skipped since then
+
+    def _start_process_state(self) -> None:
+        super()._start_process_state()
+        self.scale: float | None = None  # the GradScaler's scale at this pass's first bucket (None: none)
+
+    def begin_bucket(self, bucket: dist.GradBucket) -> None:
+        if self.bucket_calls == 0:
+            self.read_scale()
+        super().begin_bucket(bucket)
+
+    def read_scale(self) -> None:
+        """At a pass's first bucket: the scale of the optimizer's enabled GradScaler (alike on every
+        rank). Lower than at a pass that no step followed, the scaler skipped that step (it found
+        NaN or Inf, handed on by us or its own) and backed off: that pass is dropped."""
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        if scale is not None and self.passes and self.scale is not None and scale < self.scale:
+            self.stepped()
+        self.scale = scale
+
+    @property
+    def inverse_scale(self) -> float | None:
+        """What this pass's voted gradients are multiplied by before their direction (None: 1)."""
+        return None if self.scale is None or self.scale == 1.0 else 1.0 / self.scale
+
+    def hand_skipped(self, bucket: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:  # the scaler's check must find it, on every rank alike
+            bucket.fill_(float("nan"))
+        return bucket
 
     def check_one_pass(self, name: str) -> None:
         """For ``name.step()``: raise unless exactly one backward pass ran the hook since the
@@ -97,10 +136,16 @@ class SignMuonHookState(VoteHookState):
             )
         self.raised_seen = self.raised
 
+    def skipped_since_step(self) -> bool:
+        """Whether a vote since the last step was skipped (NaN or Inf on some rank, the same on
+        every rank): ``step()`` then moves no voted parameter, as one vote of the whole step would."""
+        return self.stats.skipped != self.skipped_seen
+
     def stepped(self) -> None:
         """The optimizer stepped (or loaded a checkpoint): no pass is pending."""
         self.passes = 0
         self.raised_seen = self.raised
+        self.skipped_seen = self.stats.skipped
 
     @property
     def iter(self) -> int:
@@ -137,9 +182,10 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
     layout = state.node_layout()
     if layout is not None:
         return _node_aware(state, bucket, layout, voted)
+    inverse_scale = state.inverse_scale
     for p, g, v in zip(params, grads, voted):
         if v:
-            direction = opt.local_direction(p, g)
+            direction = opt.local_direction(p, g if inverse_scale is None else g.mul_(inverse_scale))
             if direction is not g:  # signSGD's direction is the gradient itself
                 g.copy_(direction)
     if all(voted):
@@ -181,11 +227,14 @@ def _node_aware(
     params, grads = bucket.parameters(), bucket.gradients()
     vote_idx = [j for j, v in enumerate(voted) if v]
     work = None
+    inverse_scale = state.inverse_scale
     if vote_idx:
         label, tag = f"bucket {bucket.index()} (iteration {state.iter})", (state.iter << 20) | bucket.index()
         work = OwnedVoteWork(
             [grads[j] for j in vote_idx],
-            lambda i, mean: opt.local_direction(params[vote_idx[i]], mean),
+            lambda i, mean: opt.local_direction(
+                params[vote_idx[i]], mean if inverse_scale is None else mean.mul_(inverse_scale)
+            ),
             [opt.owner(params[j], layout.ranks_per_node) for j in vote_idx],
             [state.param_key(params[j]) for j in vote_idx],
             layout,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .dist import (
     CommStats,
     VoteMismatchError,
+    all_reduce,
     check_same_settings,
     flatten,
     from_host,
@@ -20,6 +21,7 @@ from .dist import (
     group_size_rank,
     host_words,
     mean_all_reduce,
+    nonfinite_flag,
     split_like,
 )
 from .kernels.bits import SignSegments
@@ -81,6 +83,26 @@ class StepVoter:
                 + "): resume every rank from the same checkpoint"
             )
         return [p for i, p in enumerate(params) if any(r[1 + i] for r in rows)]
+
+    def agree_nonfinite(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether any rank's ``grads`` hold NaN or Inf (one all-reduce of one word, read once);
+        where another rank's do and this rank's do not, one of this rank's is made NaN, so a
+        check of the local gradients (a GradScaler's) finds it on every rank alike."""
+        if self.world_size == 1:
+            return bool(grads) and bool(torch.stack([nonfinite_flag(g) for g in grads]).any())
+        device = group_device(self.group)
+        mine = (
+            torch.stack([nonfinite_flag(g).to(device) for g in grads]).any()
+            if grads
+            else torch.tensor(False, device=device)
+        )
+        flag = mine.to(torch.int64).reshape(1)
+        self.stats.calls += 1
+        all_reduce(flag, self.group, self.stats, op="max")
+        anyone, here = host_words(torch.cat([flag, mine.to(torch.int64).reshape(1)]))
+        if anyone and not here and grads:
+            grads[0].fill_(float("nan"))
+        return bool(anyone)
 
     def vote(
         self,

@@ -99,7 +99,14 @@ def register_comm_hook(
             f"processes ({accelerator.distributed_type}): pass the model accelerator.prepare returned, and use "
             "Accelerate's multi-process (DDP) mode; DeepSpeed and FSDP plugins are not supported here"
         )
+    if accelerator.scaler is not None and not voting:
+        raise ValueError(
+            "mixed_precision='fp16' with the bare sign-vote hook: GradScaler divides the voted ±1 gradient by its "
+            "scale and so every step of a plain optimizer; use SignumMV / SignSGDMV / SignMuon, or bf16"
+        )
     if voting:
+        if accelerator.scaler is not None:  # fp16: the vote divides by the loss scale; overflows reach the scaler
+            inner.use_grad_scaler(accelerator.scaler)
         # save_state asks every rank for the optimizer's state but writes the main process's alone.
         accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: gather_next_state_dict(inner))
         return inner.register_comm_hook(model)

@@ -160,6 +160,13 @@ class SignDDPStrategy(DDPStrategy):
                 f"configure_optimizers returned {type(voting[0]).__name__}, which registers its own hook, and "
                 "SignDDPStrategy was given comm_state or averager too; use one of the two"
             )
+        scaler = getattr(self.precision_plugin, "scaler", None)  # precision="16-mixed"
+        if scaler is not None and self.comm_state is not None:
+            raise ValueError(
+                "precision='16-mixed' with the bare sign-vote hook: GradScaler divides the voted ±1 gradient by its "
+                "scale and so every step of a plain optimizer. Return signmuon.optim.SignumMV, SignSGDMV or SignMuon "
+                "from configure_optimizers, or train in precision='bf16-mixed'"
+            )
         if self.comm_state is not None:
             if trainer.gradient_clip_val:
                 raise ValueError(
@@ -178,6 +185,8 @@ class SignDDPStrategy(DDPStrategy):
             self._model_averager = self.averager  # DDPStrategy.optimizer_step calls average_parameters
         elif len(voting) == 1:
             voting[0].register_comm_hook(self.model)
+            if scaler is not None:
+                voting[0].use_grad_scaler(scaler)  # the vote divides by the loss scale; overflows reach the scaler
         else:
             found = ", ".join(type(o).__name__ for o in optimizers) or "none"
             raise ValueError(

@@ -184,6 +184,8 @@ class SignTrainerMixin:
         elif isinstance(wrapped, DistributedDataParallel):
             if not optimizer.has_comm_hook:
                 optimizer.register_comm_hook(wrapped)
+                if self.accelerator.scaler is not None:  # fp16: the vote divides by the loss scale
+                    optimizer.use_grad_scaler(self.accelerator.scaler)
         elif self.args.world_size > 1:
             raise ValueError(
                 f"{type(optimizer).__name__} under the Trainer needs DDP or DeepSpeed on several processes; the "

@@ -69,6 +69,21 @@ class Exchange:
     def stepped(self) -> None:
         """``step()`` (or a load) has applied what the last exchange gave."""
 
+    def use_grad_scaler(self, optimizer, scaler) -> None:
+        """The optimizer trains under a GradScaler (:mod:`~signmuon.optim.scaling`); raise where
+        this exchange cannot take its loss scale into account."""
+        raise ValueError(
+            f"{type(self).__name__} does not divide by a GradScaler's loss scale before the momentum: train in "
+            "bf16 without a scaler, or vote through the DDP hook or vote_in_step"
+        )
+
+    def needs_grad_scaler(self, optimizer) -> bool:
+        """Whether a GradScaler stepping the optimizer must have been given to it."""
+        return True
+
+    def before_unscale(self, optimizer) -> None:
+        """Called by the given GradScaler's ``unscale_`` before it looks for NaN or Inf."""
+
     def state_dict(self, optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """torch's ``state`` as this exchange saves it."""
         return rank_state_dict(optimizer, state)
@@ -102,14 +117,21 @@ class HookExchange(Exchange):
     def exchange(self, optimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         """The hook left the vote in ``.grad`` (and the mean of averaged parameters): its sign undoes
         any rescaling since (clipping), taken in place (a fresh tensor per parameter per step costs
-        more than the sign itself)."""
+        more than the sign itself). A bucket's vote skipped for NaN or Inf skips every voted
+        parameter, as ``vote_in_step``'s one vote of the step (and the FSDP vote) does."""
         refuse_dtensors(params, name)
         self.state.check_one_pass(name)
         voted, averaged = optimizer.split_by_path([p for p in params if p.grad is not None])
-        return Exchanged(voted, [p.grad.sign_() for _, p, _ in voted], averaged, [p.grad for _, p, _ in averaged])
+        signs = [p.grad.sign_() for _, p, _ in voted]
+        if self.state.skipped_since_step():
+            signs = [s.zero_() for s in signs]
+        return Exchanged(voted, signs, averaged, [p.grad for _, p, _ in averaged])
 
     def stepped(self) -> None:
         self.state.stepped()  # the backward pass it checked is now stepped
+
+    def use_grad_scaler(self, optimizer, scaler) -> None:
+        """Nothing to set up: the hook reads the scale at each pass, and hands a skipped vote on as NaN."""
 
 
 class InStepExchange(Exchange):
@@ -120,6 +142,18 @@ class InStepExchange(Exchange):
 
     def params_changed(self, optimizer) -> None:
         self.voter.settings_changed()  # the new shapes are compared at the next step
+
+    def use_grad_scaler(self, optimizer, scaler) -> None:
+        """Nothing to set up: ``step()`` gets unscaled gradients; :meth:`before_unscale` agrees on NaN or Inf."""
+
+    def needs_grad_scaler(self, optimizer) -> bool:
+        return self.voter.world_size > 1  # alone, step() sees what any torch optimizer sees
+
+    def before_unscale(self, optimizer) -> None:
+        """Whether any rank's gradients hold NaN or Inf, agreed before the scaler looks at this
+        rank's, so that every rank's scaler skips the step (and backs off) alike."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.voter.agree_nonfinite(grads)
 
     def exchange(self, optimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         refuse_dtensors(params, name)

@@ -99,9 +99,9 @@ class SignMuon(SignVoteOptimizer):
         exchange (Exchange): as :class:`SignumMV`.
 
     Under the DDP hook (or :meth:`register_backward_reducer`), ``step()`` applies the *sign* of
-    what the vote left in ``.grad`` (and leaves that sign in ``.grad``), so gradient clipping,
-    GradScaler unscaling or averaging over accumulated micro-batches (any positive rescaling of
-    ``.grad`` between backward and ``step()``) changes nothing.
+    what the vote left in ``.grad`` (and leaves that sign in ``.grad``), so gradient clipping or
+    a GradScaler's unscaling (any positive rescaling of ``.grad`` between backward and
+    ``step()``) changes nothing; a GradScaler must be given with :meth:`use_grad_scaler`.
     """
 
     whole_paths = ("matrix",)

@@ -4,10 +4,8 @@
 parameters to paths, the step loop and checkpoints. The math is the pure functions of
 :mod:`~signmuon.optim.functional`, reached through the methods a subclass overrides (listed
 once, in docs/design.md, "Adding an optimizer"). Where the vote happens is the optimizer's
-:class:`~signmuon.optim.exchanges.Exchange`, chosen once: in ``step()`` (alone, or across
-``process_group`` with ``vote_in_step=True``), from the DDP hook (``register_comm_hook``,
-``register_backward_reducer``) or between nodes on FSDP2 shards (``register_fsdp_vote``).
-On several ranks without one of them, ``step()`` raises rather than apply the wrong math.
+:class:`~signmuon.optim.exchanges.Exchange`, chosen once (that module lists them). On several
+ranks without one of them, ``step()`` raises rather than apply the wrong math.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from .exchanges import Exchange, HookExchange, InStepExchange
 from .functional import signum_direction, step_size
 from .newton_schulz import assign_owners, newton_schulz_cost
 from .params import local_tensor, refuse_sparse, refuse_sparse_gradients, state_dtype
+from .scaling import GradScalerSupport
 
 __all__ = ["SignVoteOptimizer"]
 
@@ -65,7 +64,7 @@ def _settings(optimizer: "SignVoteOptimizer") -> dict[str, Any]:
     }
 
 
-class SignVoteOptimizer(torch.optim.Optimizer):
+class SignVoteOptimizer(GradScalerSupport, torch.optim.Optimizer):
     """Base of the sign-vote optimizers: ``W <- W - lr*vote(sign(direction_i)) - lr*lambda*W``.
     Subclasses set the defaults and override the math (docs/design.md, "Adding an optimizer");
     arguments as :class:`~signmuon.optim.SignumMV`."""
@@ -121,6 +120,8 @@ class SignVoteOptimizer(torch.optim.Optimizer):
                 "takes one of the DDP hook, the backward reducer and register_fsdp_vote"
             )
         exchange.check_serves(self)
+        if self.grad_scaler is not None:
+            exchange.use_grad_scaler(self, self.grad_scaler)
         self.exchange = exchange
 
     # -- parameter routing and eager state ------------------------------------------------

@@ -18,8 +18,9 @@ class SignumMV(SignVoteOptimizer):
 
     Under DDP the plain ``sign_vote_hook`` + ``torch.optim.SGD`` does the same with per-bucket
     momentum; this class serves where the optimizer must own the momentum (DeepSpeed,
-    ``vote_in_step``) and where ``.grad`` may be rescaled before ``step()`` (clipping,
-    GradScaler, accumulation averaging: ``step()`` takes the sign of what the vote left).
+    ``vote_in_step``) and where ``.grad`` may be rescaled after the vote (clipping, a
+    GradScaler's unscaling, given by :meth:`use_grad_scaler`: ``step()`` takes the sign of what
+    the vote left).
 
     Args:
         params: parameters or param groups.
@@ -30,9 +31,10 @@ class SignumMV(SignVoteOptimizer):
     Keyword Args:
         vote (VoteConfig): the vote's settings (:class:`~signmuon.comm_hooks.VoteConfig`: tie mode, seed,
             algorithm, kernels, ``hierarchical``, and ``nonfinite``: if any rank's gradient
-            holds NaN or Inf, ``"skip"`` moves no voted entry that step, counted in
-            ``stats.skipped``, the rank with the bad gradient keeping its momentum; ``"raise"``
-            raises on every rank). Also used by the DDP hook.
+            holds NaN or Inf, ``"skip"`` moves no voted entry that step (under the DDP hook too,
+            whichever bucket held it), counted in ``stats.skipped``, the rank with the bad
+            gradient keeping its momentum; ``"raise"`` raises on every rank). Also used by the
+            DDP hook.
         process_group (ProcessGroup): ranks that vote (None = WORLD).
         vote_in_step (bool): let ``step()`` vote across ``process_group`` itself (no DDP hook).
         checkpoint_all_ranks (bool): make ``state_dict()`` a collective that gathers every rank's

@@ -45,7 +45,13 @@ def _canonical(value) -> str:
         number = float(value)
         return repr(int(number)) if number.is_integer() else repr(number)
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{_canonical(k)}: {_canonical(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+        return (
+            "{"
+            + ", ".join(
+                f"{_canonical(k)}: {_canonical(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+            )
+            + "}"
+        )
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_canonical(v) for v in value) + "]"
     return repr(value)
@@ -71,17 +77,34 @@ def check_same_settings(
     world_size, rank = group_size_rank(group)
     if world_size == 1:
         return
-    digests = gather_rows(torch.tensor([settings_digest(settings)], dtype=torch.int64, device=group_device(group)), group)
+    digests = gather_rows(
+        torch.tensor([settings_digest(settings)], dtype=torch.int64, device=group_device(group)), group
+    )
     digests = digests.view(-1).tolist()
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
-        # Rare and fatal: a second gather of every rank's settings, to name the fields first.
-        everyone = _gather_texts({str(k): _canonical(v) for k, v in settings.items()}, group)
+        # Rare and fatal: a second gather of every rank's settings, to name the differing fields.
+        everyone = _gather_texts(_leaves(settings), group)
         raise SettingsMismatchError(
-            f"{what} differ between ranks in {_differences(everyone)} (rank(s) {differing} disagree with rank 0). "
-            f"This rank ({rank}) has: "
-            + ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items(), key=lambda kv: str(kv[0])))
+            f"{what} differ between ranks in {_differences(everyone)} (rank(s) {differing} disagree with rank 0; "
+            f"this is rank {rank}): pass the same settings on every rank"
         )
+
+
+def _leaves(value, path: str = "") -> dict[str, str]:
+    """Every setting as (dotted path, canonical text): nested settings (an optimizer's param
+    groups) are named down to the field that differs, ``optimizer.groups[0].lr``."""
+    if isinstance(value, Mapping) and value:
+        out: dict[str, str] = {}
+        for key, item in sorted(value.items(), key=lambda kv: str(kv[0])):
+            out.update(_leaves(item, f"{path}.{key}" if path else str(key)))
+        return out
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (Mapping, list, tuple)) for v in value):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(_leaves(item, f"{path}[{index}]"))
+        return out
+    return {path: _canonical(value)}
 
 
 def _gather_texts(fields: dict[str, str], group: dist.ProcessGroup | None) -> list[dict[str, str]]:
@@ -180,7 +203,8 @@ def check_replicas(
     if len(set(counts)) > 1:
         raise VoteMismatchError(
             "ranks entered check_replicas with different numbers of tensors ("
-            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + ")"
+            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            + ")"
         )
     if all(row[1] == summary[0][1] for row in summary):
         return

@@ -132,6 +132,11 @@ class _RailStages:
         else:
             self._rail.advance()
 
+    @property
+    def skipped(self) -> bool:
+        """Whether the rail vote was skipped (NaN or Inf in some node's mean: alike on every rank)."""
+        return self._rail is not None and self._rail.skipped
+
     def _rail_result(self) -> torch.Tensor:
         """Finish the rail vote (starting it first if no stage has): this rank's voted tensor."""
         if self._rail is None:

@@ -295,6 +295,11 @@ class TransportWork:
         """Whether :meth:`advance` has run (step 3, if any, is in flight)."""
         return self._stage >= 1
 
+    @property
+    def skipped(self) -> bool:
+        """Whether some rank's input held NaN or Inf, so the vote was skipped (known once advanced)."""
+        return self._skipped
+
     def is_completed(self) -> bool:
         return self._stage == 2
 

@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignumMV
 
+from . import scaler_world
 from .cells import Cell, check_cells
 from .ddp_world import ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
 
@@ -107,6 +108,14 @@ def four_rank_cells() -> list[Cell]:
                 Config(entry, (3,) * 4, micro=2, per_node=2),
             ),
         ]
+    for entry in ("SignumMV", "SignMuon", "SignumMV-in-step"):  # the bare hook's SGD applies the clipped vote
+        cells.append(
+            _node_cell(
+                "what runs after the hook",
+                "clip_grad_norm_(0.1) before step()",
+                Config(entry, (3,) * 4, clip=0.1, per_node=2),
+            )
+        )
     for entry in HOOKED + IN_STEP:
         cells.append(
             _cell("who votes", "DDP over data-parallel sub-groups {0,1}, {2,3}", Config(entry, (4,) * 4, halves))
@@ -123,8 +132,13 @@ def four_rank_cells() -> list[Cell]:
     return cells
 
 
+def overflow_cells() -> list[Cell]:
+    """GradScaler, autocast, clipping after unscale_, NaN on one rank: :mod:`.scaler_world`."""
+    return scaler_world.scaler_cells()
+
+
 def test_hooks_and_optimizers_on_two_ranks():
-    check_cells(two_rank_cells(), 2)
+    check_cells(two_rank_cells() + overflow_cells(), 2)
 
 
 def test_who_votes_on_four_ranks():
@@ -170,6 +184,19 @@ def _second_backward(rank: int, world_size: int):
     opt.step()
 
 
+def _lr_differs(rank: int, world_size: int, in_step: bool):
+    net = Net()
+    kind = SignumMV if in_step else SignMuon
+    opt = kind(net.parameters(), lr=0.02 if rank == 1 else LR, vote=EXACT, vote_in_step=in_step)
+    if in_step:
+        backward(net, rank, 0, 0, True)
+        opt.step()
+        return
+    model = DDP(net)
+    opt.register_comm_hook(model)
+    backward(model, rank, 0, 0, True)
+
+
 def refusal_cells() -> list[Cell]:
     return [
         Cell(
@@ -185,6 +212,21 @@ def refusal_cells() -> list[Cell]:
             "matrices in SignMuon, the rest in AdamW: refused saying how to pass the rest",
             _split_optimizers,
             refusal="non_matrix='adamw'",
+        ),
+        Cell(
+            ENTRIES["SignMuon"],
+            "who votes",
+            "lr differs on rank 1: SettingsMismatchError names the nested field first, with each rank's value",
+            partial(_lr_differs, in_step=False),
+            refusal="SettingsMismatchError: SignMuonHookState settings differ between ranks in optimizer.groups[0].lr "
+            "(rank 0: 0.01, rank 1: 0.02)",
+        ),
+        Cell(
+            ENTRIES["SignumMV-in-step"],
+            "who votes",
+            "lr differs on rank 1: SettingsMismatchError names the field first, with each rank's value",
+            partial(_lr_differs, in_step=True),
+            refusal="SettingsMismatchError: SignumMV settings differ between ranks in groups[0].lr (rank 0: 0.01, rank 1: 0.02)",
         ),
         Cell(
             ENTRIES["SignumMV"],
