@@ -22,7 +22,12 @@ def suite_cells() -> list[Cell]:
         if module.name.startswith("test_") and module.name != "test_matrix":
             loaded = importlib.import_module(f"tests.conformance.{module.name}")
             for name, fn in sorted(vars(loaded).items()):
-                if name.endswith("_cells") and not name.startswith("test_") and callable(fn) and getattr(fn, "__module__", None) == loaded.__name__:
+                if (
+                    name.endswith("_cells")
+                    and not name.startswith("test_")
+                    and callable(fn)
+                    and getattr(fn, "__module__", None) == loaded.__name__
+                ):
                     cells += fn()
     return cells
 

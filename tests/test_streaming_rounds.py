@@ -1,0 +1,253 @@
+"""Streaming rounds (fragments, sync_delay τ, update_alpha α) against torchft's streaming DiLoCo
+through its own Manager, step for step, and one-bit streaming rounds against a single-process
+reference; DiLoCo without fragments is the first of the configurations. Each side runs every
+configuration in one spawn."""
+
+import functools
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+from signmuon.comm_hooks import VoteConfig
+from signmuon.optim import LocalStepAverager, OuterStep
+from tests.harness import (
+    compressed_allreduce_reference,
+    flat_params,
+    rounds_batch,
+    rounds_inner,
+    rounds_loss,
+    rounds_model,
+    run_distributed,
+    sign_vote_combine,
+)
+
+H = 12  # local steps per fragment's round: a multiple of every F, and τ = 2 < H / 3
+STEPS = 2 * H
+# (H, steps, F, τ, α): streaming, then DiLoCo (H = 3, 7 steps). torchft picks the fragment by its
+# Manager's step, which runs on across configurations: F = 3 first, then 2, then 1, so that
+# each configuration starts at a multiple of its F (checked in the replica).
+FP32 = [(H, STEPS, f, tau, alpha) for f in (3, 2, 1) for tau in (0, 1, 2) for alpha in (0.0, 0.5)] + [(3, 7, 1, 0, 0.0)]
+# The fragments a count cuts rounds_model's [12, 3, 6, 2] entries into (balanced by bytes).
+SPLITS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]], 3: [[0], [1, 2], [3]]}
+# (rule, scale_block, F, τ, α), held to the single-process reference.
+ONE_BIT = [("sign_vote", 0, 2, 1, 0.5), ("sign_vote_ef", 4, 3, 2, 0.0), ("scaled_sign", 0, 2, 1, 0.0)]
+
+
+# --- the single-process reference: streaming DiLoCo as published ---------------------------------
+
+
+def _combine(rule, deltas, sizes, errors, block):
+    """The workers' ``deltas`` combined by ``rule`` (``errors``: the rule's feedback, updated)."""
+    if block:
+        sizes = [min(block, size - at) for size in sizes for at in range(0, size, block)]
+    if rule == "mean":
+        return sum(deltas) / len(deltas)
+    if rule == "sign_vote":
+        return sign_vote_combine(deltas, sizes)
+    if rule == "sign_vote_ef":
+        fed = [d + e for d, e in zip(deltas, errors[0])]
+        errors[0] = [torch.cat([p - p.sign() * p.abs().mean() for p in c.split(sizes)]) for c in fed]
+        return sign_vote_combine(fed, sizes)
+    return compressed_allreduce_reference(deltas, *errors)[0]  # updates the error lists in place
+
+
+def _reference(steps, period, count, delay, alpha, rule="mean", block=0, workers=2):
+    """Each worker's flat parameters after every step: fragment f's pseudo-gradient taken and
+    combined at k + τ = j·S (j - 1 = f mod F), its outer step and lerp at k = j·S, S = period / F."""
+    models = [rounds_model() for _ in range(workers)]
+    inners = [rounds_inner(m) for m in models]
+    every = period // count
+
+    def fragment(m, f):
+        return [list(m.parameters())[i] for i in SPLITS[count][f]]
+
+    def flat(m, f):
+        return torch.cat([p.detach().reshape(-1) for p in fragment(m, f)])
+
+    consensus = [flat(models[0], f).clone() for f in range(count)]
+    outers = [torch.optim.SGD([c], lr=0.7, momentum=0.9, nesterov=True) for c in consensus]
+    errors = []
+    for c in consensus:
+        padded = -(-c.numel() // (8 * workers)) * 8 * workers
+        errors.append(
+            [[torch.zeros(c.numel())] * workers]
+            if rule == "sign_vote_ef"
+            else [[torch.zeros(padded)] * workers, [torch.zeros(padded // workers)] * workers]
+        )
+    pending = {}
+
+    history = []
+    for step in range(steps):
+        for w, (m, opt) in enumerate(zip(models, inners)):
+            opt.zero_grad()
+            rounds_loss(m, rounds_batch(w, step)).backward()
+            opt.step()
+        k = step + 1
+        if (k + delay) % every == 0:
+            f = ((k + delay) // every - 1) % count
+            deltas = [consensus[f] - flat(m, f) for m in models]
+            sizes = [p.numel() for p in fragment(models[0], f)]
+            pending[f] = _combine(rule, deltas, sizes, errors[f], block)
+        if k % every == 0:
+            f = (k // every - 1) % count
+            consensus[f].grad = pending.pop(f)
+            outers[f].step()
+            for m in models:
+                x = flat(m, f)
+                torch.nn.utils.vector_to_parameters(
+                    consensus[f].detach() + alpha * (x - consensus[f].detach()), fragment(m, f)
+                )
+        history.append([flat_params(m) for m in models])
+    return history
+
+
+# --- ours: every configuration in one spawn --------------------------------------------------------
+
+
+def _run(rank, period, steps, count, delay, alpha, rule="mean", block=0):
+    model = rounds_model()
+    inner = rounds_inner(model)
+    outer = OuterStep(
+        optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+        pseudo_gradient=rule,
+        vote=VoteConfig(tie="exact"),
+        scale_block=block,
+    )
+    averager = LocalStepAverager(
+        period=period, pull=1.0, outer=outer, module=model, fragments=count, sync_delay=delay, update_alpha=alpha
+    )
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    assert [[index[id(p)] for p in part.params] for part in averager.fragments] == SPLITS[count]
+    history = []
+    for step in range(steps):
+        inner.zero_grad()
+        rounds_loss(model, rounds_batch(rank, step)).backward()
+        inner.step()
+        averager.average_parameters(model.parameters())
+        history.append(flat_params(model).clone())
+    return history
+
+
+def _ours_worker(rank, world_size):
+    fp32 = [_run(rank, *config) for config in FP32]
+    one_bit = [_run(rank, H, STEPS, count, delay, alpha, rule, block) for rule, block, count, delay, alpha in ONE_BIT]
+    return fp32, one_bit
+
+
+# --- torchft's streaming DiLoCo, through its Manager ---------------------------------------------
+
+
+def _torchft_replica(replica, lighthouse, out_dir):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    torch.set_num_threads(1)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    holder = {"model": rounds_model()}
+    manager = Manager(
+        pg=ProcessGroupGloo(),
+        min_replica_size=2,
+        load_state_dict=lambda state: holder["model"].load_state_dict(state),
+        state_dict=lambda: holder["model"].state_dict(),
+        replica_id=str(replica),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        port=0,
+        timeout=timedelta(seconds=60),
+        use_async_quorum=False,
+        init_sync=False,
+    )
+    histories = []
+    try:
+        for period, steps, count, delay, alpha in FP32:
+            assert manager.current_step() % count == 0, (manager.current_step(), count)
+            model = holder["model"] = rounds_model()
+            inner = rounds_inner(model)
+            params = list(model.parameters())
+            fragments = []
+            for members in SPLITS[count]:  # a module holding the fragment's own Parameters
+                fragment = nn.Module()
+                for i in members:
+                    fragment.register_parameter(f"p{i}", params[i])
+                fragments.append(fragment)
+            outers = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
+            history = []
+            with DiLoCo(
+                manager,
+                fragments,
+                inner,
+                outers,
+                sync_every=period,
+                fragment_sync_delay=delay,
+                fragment_update_alpha=alpha,
+            ):
+                for step in range(steps):
+                    inner.zero_grad()
+                    rounds_loss(model, rounds_batch(replica, step)).backward()
+                    inner.step()
+                    history.append(flat_params(model).clone())
+            histories.append(history)
+            for key in [k for k in manager._user_state_dicts if k.startswith("StreamingDiLoCoFragment_")]:
+                del manager._user_state_dicts[key], manager._load_state_dict_fns[key]  # the next DiLoCo's
+    finally:
+        manager.shutdown(wait=False)
+    torch.save(histories, os.path.join(out_dir, f"replica{replica}.pt"))
+
+
+def _run_torchft(replicas):
+    import multiprocessing
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas)
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            ctx = multiprocessing.get_context("spawn")
+            procs = [
+                ctx.Process(target=_torchft_replica, args=(r, lighthouse.address(), out_dir)) for r in range(replicas)
+            ]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=300)
+            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+            return [torch.load(os.path.join(out_dir, f"replica{r}.pt")) for r in range(replicas)]
+    finally:
+        lighthouse.shutdown()
+
+
+def test_streaming_rounds_equal_torchft_and_the_reference_step_for_step():
+    theirs = _run_torchft(2)
+    ours = run_distributed(_ours_worker, 2, timeout=400)
+    for c, (period, steps, count, delay, alpha) in enumerate(FP32):
+        for replica in range(2):
+            for step in range(steps):
+                torch.testing.assert_close(
+                    ours[replica][0][c][step],
+                    theirs[replica][c][step],
+                    rtol=1e-6,
+                    atol=1e-7,
+                    msg=f"H={period} F={count} τ={delay} α={alpha}: replica {replica} step {step}",
+                )
+        assert not torch.equal(theirs[0][c][1], theirs[1][c][1])  # the replicas do train apart between rounds
+        if count == 1 and delay == 0 and alpha == 0.0:
+            assert torch.equal(theirs[0][c][period - 1], theirs[1][c][period - 1])  # and meet at each round
+    for c, (rule, block, count, delay, alpha) in enumerate(ONE_BIT):
+        expected = _reference(STEPS, H, count, delay, alpha, rule, block)
+        for replica in range(2):
+            for step in range(STEPS):
+                torch.testing.assert_close(
+                    ours[replica][1][c][step],
+                    expected[step][replica],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=f"{rule} F={count} τ={delay} α={alpha}: replica {replica} step {step}",
+                )
