@@ -5,13 +5,16 @@ configuration in one spawn."""
 
 import functools
 import os
+import re
 import tempfile
 
+import pytest
 import torch
 from torch import nn
 
 from signmuon.comm_hooks import VoteConfig
 from signmuon.optim import LocalStepAverager, OuterStep
+from signmuon.optim.rounds.streaming import fragment_due, split_by_bytes
 from tests.harness import (
     compressed_allreduce_reference,
     flat_params,
@@ -251,3 +254,57 @@ def test_streaming_rounds_equal_torchft_and_the_reference_step_for_step():
                     atol=1e-6,
                     msg=f"{rule} F={count} τ={delay} α={alpha}: replica {replica} step {step}",
                 )
+
+
+# --- the split and the schedule, and what streaming refuses ----------------------------------------
+
+
+def _best_split(sizes, count):
+    """The smallest largest-run over every split of ``sizes`` into ``count`` non-empty runs."""
+    import itertools
+
+    return min(
+        max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+        for cuts in itertools.combinations(range(1, len(sizes)), count - 1)
+    )
+
+
+def test_a_count_cuts_the_parameters_into_runs_balanced_by_bytes():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(1, 50, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        count = int(torch.randint(1, len(sizes) + 1, (1,), generator=gen))
+        runs = split_by_bytes(sizes, count)
+        assert len(runs) == count and runs[0][0] == 0 and runs[-1][1] == len(sizes)
+        assert all(a < b for a, b in runs) and all(b == a2 for (_, b), (a2, _) in zip(runs, runs[1:]))
+        assert max(sum(sizes[a:b]) for a, b in runs) == _best_split(sizes, count), (sizes, count, runs)
+
+
+def test_each_fragment_lands_every_period_at_its_offset_and_is_taken_tau_steps_before():
+    period, count, delay = 12, 3, 2
+    due = [fragment_due(k, period, count, delay) for k in range(1, 3 * period + 1)]
+    lands = [(k, f) for k, (_, f) in enumerate(due, 1) if f is not None]
+    taken = [(k, f) for k, (f, _) in enumerate(due, 1) if f is not None]
+    assert lands == [(k, (k // 4 - 1) % 3) for k in range(4, 37, 4)]
+    assert taken == [(k - delay, f) for k, f in lands]
+
+
+def test_streaming_refuses_what_torchft_refuses_and_what_is_ambiguous():
+    model = rounds_model()
+    outer = OuterStep.diloco()
+    cases = {
+        "must be a multiple of fragments=3": dict(period=4, fragments=3),
+        "sync_delay=2 must be < period/fragments=2": dict(period=4, fragments=2, sync_delay=2),
+        "sync_delay=-1": dict(period=4, sync_delay=-1),
+        "update_alpha=1.5": dict(period=4, update_alpha=1.5),
+        "cannot cut 4 trained tensors into 5": dict(period=5, fragments=5),
+        "push moves a worker": dict(period=4, fragments=2, push=0.1),
+        "in fragments 0 and 1": dict(period=4, fragments=[model, model[2]]),
+        "in no fragment": dict(period=4, fragments=[model[0]]),
+        "must be a module or a list of modules": dict(period=4, fragments=[model[0], "head"]),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LocalStepAverager(outer=outer, module=model, **kwargs)
+    with pytest.raises(ValueError, match="need outer="):
+        LocalStepAverager(period=4, fragments=2)

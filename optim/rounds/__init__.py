@@ -8,6 +8,9 @@
   (``OuterStep.diloco()`` is DiLoCo), and :mod:`.pseudo_gradients`, how they are combined;
 * :mod:`.consensus`: the consensus state and the checks every round starts with;
 * :mod:`.rails`: node-aware rounds, each local rank's slice over its rail;
+* :mod:`.streaming`: streaming rounds (Streaming DiLoCo): fragments, each round taken τ steps
+  before it lands;
+* :mod:`.checkpoints`: the consensus to evaluate or save, and the averager's own checkpoint;
 * :mod:`.post_local_sgd`: the wiring into DDP and ``PostLocalSGDOptimizer``;
 * :mod:`.aliases`: tied weights and tensors that share memory.
 

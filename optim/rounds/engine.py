@@ -126,6 +126,9 @@ class LocalStepAverager(SavedRounds, ModelAverager):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         check_arguments(pull, push, eps, distance, nonfinite, outer, module)
         self.sync_delay, self.update_alpha = check_streaming(fragments, sync_delay, update_alpha, outer)
+        members = fragment_members(module, fragments) if outer is not None else []
+        if members:
+            check_fragments(len(members), self.period, self.sync_delay, push)
         super().__init__(process_group)  # sets self.process_group (WORLD if None) and self.step = 0
         self.pull = float(pull)
         self.push = float(push)
@@ -149,8 +152,6 @@ class LocalStepAverager(SavedRounds, ModelAverager):
             check_shards(module, self.process_group, self.push, self.layout)
             refuse_shared_memory(trained(module), first_names(module))
         if outer is not None:
-            members = fragment_members(module, fragments)
-            check_fragments(len(members), self.period, self.sync_delay, self.push)
             for params in members:
                 consensus = Consensus(_local_groups(params), outer, self.process_group, self.layout)
                 self.fragments.append(Fragment(params, consensus))
