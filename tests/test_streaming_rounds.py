@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import tempfile
+import time
 
 import pytest
 import torch
@@ -109,9 +110,8 @@ def _reference(steps, period, count, delay, alpha, rule="mean", block=0, workers
 # --- ours: every configuration in one spawn --------------------------------------------------------
 
 
-def _run(rank, period, steps, count, delay, alpha, rule="mean", block=0):
+def _averager(period, count, delay, alpha, rule="mean", block=0):
     model = rounds_model()
-    inner = rounds_inner(model)
     outer = OuterStep(
         optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
         pseudo_gradient=rule,
@@ -121,22 +121,65 @@ def _run(rank, period, steps, count, delay, alpha, rule="mean", block=0):
     averager = LocalStepAverager(
         period=period, pull=1.0, outer=outer, module=model, fragments=count, sync_delay=delay, update_alpha=alpha
     )
+    return model, rounds_inner(model), averager
+
+
+def _run(rank, period, steps, count, delay, alpha, rule="mean", block=0, before_round=None):
+    """Each step's flat parameters, and which fragments had a round in flight after each step."""
+    model, inner, averager = _averager(period, count, delay, alpha, rule, block)
     index = {id(p): i for i, p in enumerate(model.parameters())}
     assert [[index[id(p)] for p in part.params] for part in averager.fragments] == SPLITS[count]
-    history = []
+    history, in_flight = [], []
     for step in range(steps):
         inner.zero_grad()
         rounds_loss(model, rounds_batch(rank, step)).backward()
         inner.step()
+        if before_round is not None:
+            before_round(step, averager)
         averager.average_parameters(model.parameters())
         history.append(flat_params(model).clone())
-    return history
+        in_flight.append([f for f, part in enumerate(averager.fragments) if part.in_flight is not None])
+    return history, in_flight, averager.stats
 
 
-def _ours_worker(rank, world_size):
-    fp32 = [_run(rank, *config) for config in FP32]
-    one_bit = [_run(rank, H, STEPS, count, delay, alpha, rule, block) for rule, block, count, delay, alpha in ONE_BIT]
-    return fp32, one_bit
+def _overlapped(rank, out_dir):
+    """A fragment's collective outlasts the next step: rank 1's combine starts only once rank 0
+    has finished the step after taking the round (if rank 0 waited for it there, neither goes on)."""
+    signal = os.path.join(out_dir, "rank0-stepped")
+
+    def before_round(step, averager):
+        part = averager.fragments[0]
+        if rank == 1 and step == 0:
+            combine = part.consensus.combine
+
+            def late(*args):
+                for _ in range(6000):  # a minute at most
+                    if os.path.exists(signal):
+                        return combine(*args)
+                    time.sleep(0.01)
+                raise TimeoutError("rank 0 did not get past the step after the round was taken")
+
+            part.consensus.combine = late
+        if rank == 0 and part.in_flight is not None:  # the inner step after the take is done
+            open(signal, "w").close()
+
+    history, in_flight, stats = _run(rank, H, H, 2, 1, 0.0, before_round=before_round)
+    return in_flight, stats.round_seconds, stats.round_wait_seconds
+
+
+def _ours_worker(rank, world_size, out_dir):
+    runs = [_run(rank, *config) for config in FP32]
+    one_bit = [
+        _run(rank, H, STEPS, count, delay, alpha, rule, block)[0] for rule, block, count, delay, alpha in ONE_BIT
+    ]
+    waits = [(stats.round_seconds, stats.round_wait_seconds) for _, _, stats in runs]
+    return (
+        [history for history, _, _ in runs],
+        one_bit,
+        [in_flight for _, in_flight, _ in runs],
+        waits,
+        _overlapped(rank, out_dir),
+    )
 
 
 # --- torchft's streaming DiLoCo, through its Manager ---------------------------------------------
@@ -229,7 +272,8 @@ def _run_torchft(replicas):
 
 def test_streaming_rounds_equal_torchft_and_the_reference_step_for_step():
     theirs = _run_torchft(2)
-    ours = run_distributed(_ours_worker, 2, timeout=400)
+    with tempfile.TemporaryDirectory() as out_dir:
+        ours = run_distributed(_ours_worker, 2, out_dir, timeout=400)
     for c, (period, steps, count, delay, alpha) in enumerate(FP32):
         for replica in range(2):
             for step in range(steps):
@@ -243,6 +287,7 @@ def test_streaming_rounds_equal_torchft_and_the_reference_step_for_step():
         assert not torch.equal(theirs[0][c][1], theirs[1][c][1])  # the replicas do train apart between rounds
         if count == 1 and delay == 0 and alpha == 0.0:
             assert torch.equal(theirs[0][c][period - 1], theirs[1][c][period - 1])  # and meet at each round
+    _streaming_checks(ours)
     for c, (rule, block, count, delay, alpha) in enumerate(ONE_BIT):
         expected = _reference(STEPS, H, count, delay, alpha, rule, block)
         for replica in range(2):
@@ -308,3 +353,22 @@ def test_streaming_refuses_what_torchft_refuses_and_what_is_ambiguous():
             LocalStepAverager(outer=outer, module=model, **kwargs)
     with pytest.raises(ValueError, match="need outer="):
         LocalStepAverager(period=4, fragments=2)
+
+
+def _streaming_checks(ours):
+    """What the spawn of ours saw besides the parameters: which fragment was in flight after each
+    step, the rounds' seconds, and a collective that outlasted the step after it was issued."""
+    for replica in range(2):
+        _, _, in_flight, waits, (overlapped, seconds, waited) = ours[replica]
+        for (period, steps, count, delay, _), flights, (total, exposed) in zip(FP32, in_flight, waits):
+            every = period // count
+            expected = [
+                [((k + delay) // every - 1) % count] if delay and (k % every) >= every - delay else []
+                for k in range(1, steps + 1)
+            ]
+            assert flights == expected, (period, count, delay)
+            assert total > 0.0 and exposed >= 0.0
+            if delay == 0:
+                assert exposed == total  # a round that lands where it is taken waits for all of it
+        assert overlapped[4] == [0] and overlapped[5] == []  # taken after step 5 of 6, landed after 6
+        assert seconds > 0.0 and 0.0 <= waited

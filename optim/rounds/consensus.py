@@ -97,11 +97,14 @@ class Consensus:
         return [rail_bounds(sum(sizes), self.layout)[:2] for sizes in self.sizes]
 
     @torch.no_grad()
-    def combine(self, deltas: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
+    def combine(
+        self, deltas: list[torch.Tensor], stats: CommStats | None, group: dist.ProcessGroup | None = None
+    ) -> list[torch.Tensor]:
         """The workers' combined pseudo-gradients (``deltas`` overwritten): only the round's
         collectives between the workers, no state but the error feedback touched, so it may run
-        while training goes on (streaming rounds)."""
-        group = rail_group(self.group, self.layout)
+        while training goes on (streaming rounds), over ``group`` in flat rounds (default: the
+        rounds' group), over the rails in node-aware ones."""
+        group = rail_group(self.group if group is None else group, self.layout)
         return [
             combine_pseudo_gradients(
                 delta,

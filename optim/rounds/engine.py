@@ -5,7 +5,6 @@ push (:mod:`~signmuon.optim.rounds.dppf`) act around that target."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -25,18 +24,24 @@ from signmuon.comm_hooks.dist import (
     unflatten_into,
 )
 
-from ..params import local_tensor
 from .aliases import refuse_shared_memory
 from .checkpoints import SavedRounds
 from .consensus import Consensus, check_shards, round_flags
 from .dppf import pull_push, worker_distances
-from .members import all_params, by_dtype_and_device, first_names, in_module_order, trained
+from .members import all_params, by_dtype_and_device, first_names, in_module_order, local_groups, trained
 from .outer_step import OuterStep
 from .rails import mean_between_nodes
 from .settings import DISTANCES, averager_settings, check_arguments, check_int, check_layout
-from .streaming import Fragment, check_fragments, check_streaming, fragment_due, fragment_members
+from .streaming import (
+    Fragment,
+    check_fragments,
+    check_streaming,
+    fragment_due,
+    fragment_members,
+    streaming_group,
+)
 
-__all__ = ["DISTANCES", "DPPFAverager", "LocalStepAverager"]
+__all__ = ["DISTANCES", "LocalStepAverager"]
 
 
 class LocalStepAverager(SavedRounds, ModelAverager):
@@ -153,9 +158,10 @@ class LocalStepAverager(SavedRounds, ModelAverager):
             refuse_shared_memory(trained(module), first_names(module))
         if outer is not None:
             for params in members:
-                consensus = Consensus(_local_groups(params), outer, self.process_group, self.layout)
+                consensus = Consensus(local_groups(params), outer, self.process_group, self.layout)
                 self.fragments.append(Fragment(params, consensus))
             self._consensus_checked = False  # compared at the first round after construction or a load
+        self._streaming_group = streaming_group(self.process_group, self.layout, self.sync_delay)
 
     @property
     def consensus(self) -> Consensus | None:
@@ -203,7 +209,7 @@ class LocalStepAverager(SavedRounds, ModelAverager):
             params = in_module_order(self.module, params)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
                 for part in self.fragments:
-                    part.consensus.reset([flatten(tensors) for tensors in _local_groups(part.params)])
+                    part.consensus.reset([flatten(tensors) for tensors in local_groups(part.params)])
             self._outer_rounds(params)
         elif self.is_round():
             refuse_shared_memory(params, first_names(self.module) if self.module is not None else None)
@@ -268,7 +274,7 @@ class LocalStepAverager(SavedRounds, ModelAverager):
         if dist._rank_not_in_group(group):
             return
         self.stats.calls += 1
-        groups = _local_groups(params)
+        groups = local_groups(params)
         flats = [flatten(tensors) for tensors in groups]  # [n] this worker's x, per group
         # x_bar (torch's order: divide, then sum)
         targets = [mean_between_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
@@ -281,12 +287,13 @@ class LocalStepAverager(SavedRounds, ModelAverager):
             part.skipped = True
             return
         self.stats.calls += 1
-        flats = [flatten(tensors) for tensors in _local_groups(part.params)]
-        part.combined = part.consensus.combine(part.consensus.pseudo_gradients(flats), self.stats)
+        flats = [flatten(tensors) for tensors in local_groups(part.params)]
+        part.take(flats, self.stats, self._streaming_group, streamed=self.sync_delay > 0)
 
     @torch.no_grad()
     def _land(self, part: Fragment) -> None:
         """A fragment's round, landed: the outer step, then each worker toward the new consensus."""
+        part.settle(self.stats)
         if part.skipped or dist._rank_not_in_group(self.process_group):
             part.skipped = False
             return
@@ -297,7 +304,7 @@ class LocalStepAverager(SavedRounds, ModelAverager):
             )
         combined, part.combined = part.combined, None
         targets = part.consensus.land(combined, self.stats)
-        groups = _local_groups(part.params)
+        groups = local_groups(part.params)
         pull = self.pull * (1.0 - self.update_alpha)
         self._pull_push(groups, [flatten(tensors) for tensors in groups], targets, pull)
 
@@ -316,21 +323,3 @@ class LocalStepAverager(SavedRounds, ModelAverager):
     def _average_buffers(self) -> None:
         for tensors in by_dtype_and_device(self._buffers()):
             unflatten_into(mean_all_reduce(flatten(tensors), self.process_group, self.stats), tensors)
-
-
-class DPPFAverager(LocalStepAverager):
-    """The name :class:`LocalStepAverager` had until signmuon 0.1; it goes in 0.3."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        warnings.warn(
-            "DPPFAverager is now LocalStepAverager (signmuon.optim.LocalStepAverager), the same class; "
-            "the old name is removed in signmuon 0.3",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(*args, **kwargs)
-
-
-def _local_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``params``' local tensors (FSDP2: this rank's shards) by dtype and device."""
-    return by_dtype_and_device(local_tensor(p) for p in params)

@@ -24,6 +24,7 @@ __all__ = [
     "distinct",
     "first_names",
     "in_module_order",
+    "local_groups",
     "trained",
     "write_consensus",
 ]
@@ -116,3 +117,8 @@ def consensus_state(
             [local_tensor(v) for v in tensors],
         )
     return state
+
+
+def local_groups(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params``' local tensors (FSDP2: this rank's shards) by dtype and device."""
+    return by_dtype_and_device(local_tensor(p) for p in params)

@@ -13,15 +13,32 @@ steps before it lands, and each worker then keeps ``update_alpha`` (α) of its l
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from signmuon.comm_hooks import NodeLayout
+from signmuon.comm_hooks.dist import CommStats
 
 from .consensus import Consensus
 
-__all__ = ["Fragment", "fragment_due", "fragment_members", "split_by_bytes", "check_fragments", "check_streaming"]
+__all__ = [
+    "Fragment",
+    "InFlight",
+    "streaming_group",
+    "fragment_due",
+    "fragment_members",
+    "split_by_bytes",
+    "check_fragments",
+    "check_streaming",
+]
 
 
 def split_by_bytes(nbytes: Sequence[int], count: int) -> list[tuple[int, int]]:
@@ -119,14 +136,101 @@ def fragment_due(k: int, period: int, count: int, delay: int) -> tuple[int | Non
     return (None if taken is None else taken % count), (None if lands is None else lands % count)
 
 
+def streaming_group(group: dist.ProcessGroup, layout: NodeLayout | None, delay: int) -> dist.ProcessGroup | None:
+    """The group a streaming round combines over on its own thread (None: the rounds' own).
+    Two threads must not issue collectives on one group (the ranks could order them apart):
+    node-aware rounds use the rails, which nothing else uses during the inner steps; flat
+    rounds over WORLD, which DDP also uses (its buffers' broadcast), get a group of their own
+    (``new_group``: every rank builds the averager, so every rank calls it). A group given
+    (FSDP2's ``mesh["node"]``) is the rounds' own."""
+    if not delay or layout is not None or group is not dist.group.WORLD:
+        return None
+    return dist.new_group()
+
+
+class InFlight:
+    """A fragment's combine on a thread of its own, from the step its round is taken (the
+    collective issued) to the step it lands (waited for). The training thread reads nothing
+    of it in between; on a GPU the thread runs on a stream of its own, which starts after the
+    training stream has written the pseudo-gradients and which the training stream waits for
+    when the round lands."""
+
+    def __init__(self, run: Callable[[], list[torch.Tensor]], device: torch.device) -> None:
+        self._run, self._result, self._error = run, None, None
+        self.seconds = 0.0  # issue to result, on the thread
+        self._stream = self._ready = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._ready = torch.cuda.Event()
+            self._ready.record()  # the pseudo-gradients, written on the training stream
+        self._thread = threading.Thread(target=self._body, name="signmuon-streaming-round", daemon=True)
+        self._thread.start()
+
+    def _body(self) -> None:
+        start = time.perf_counter()
+        try:
+            with torch.no_grad(), torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                if self._stream is not None:
+                    self._stream.wait_event(self._ready)
+                self._result = self._run()
+                if self._stream is not None:
+                    self._stream.synchronize()  # done means done: the landing reads no half-written result
+        except BaseException as error:  # raised again where the round lands, on the training thread
+            self._error = error
+        self.seconds = time.perf_counter() - start
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> tuple[list[torch.Tensor], float, float]:
+        """(the combined pseudo-gradients, seconds the combine ran, seconds this call waited for it)."""
+        start = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - start
+        if self._error is not None:
+            raise self._error
+        if self._stream is not None:
+            current = torch.cuda.current_stream()
+            current.wait_stream(self._stream)
+            for t in self._result:
+                t.record_stream(current)
+        return self._result, self.seconds, waited
+
+
 @dataclasses.dataclass
 class Fragment:
     """One fragment: its trained parameters (module order), its consensus and outer optimizer,
-    and its round between being taken and landing (``combined``: the workers' combined
-    pseudo-gradient of each group; None when none is pending; ``skipped``: the round was
-    skipped when taken, for NaN or Inf)."""
+    and its round between being taken and landing: ``in_flight`` while its combine runs,
+    ``combined`` (the workers' combined pseudo-gradient of each group) once it is back, or
+    ``skipped`` when the round was skipped as it was taken (NaN or Inf)."""
 
     params: list[nn.Parameter]
     consensus: Consensus
     combined: list[torch.Tensor] | None = None
     skipped: bool = False
+    in_flight: InFlight | None = None
+
+    def take(
+        self, flats: list[torch.Tensor], stats: CommStats, group: dist.ProcessGroup | None, *, streamed: bool
+    ) -> None:
+        """Take this fragment's round from this worker's ``flats``: its pseudo-gradients,
+        combined now or, ``streamed``, on a thread of their own over ``group``."""
+        deltas = self.consensus.pseudo_gradients(flats)
+        if streamed:
+            self.in_flight = InFlight(functools.partial(self.consensus.combine, deltas, stats, group), deltas[0].device)
+            return
+        start = time.perf_counter()  # lands this very step: all of it waited for
+        self.combined = self.consensus.combine(deltas, stats)
+        seconds = time.perf_counter() - start
+        stats.round_seconds += seconds
+        stats.round_wait_seconds += seconds
+
+    def settle(self, stats: CommStats) -> None:
+        """Wait for the combine in flight (if any) and keep its result for the landing; its
+        seconds and the seconds waited go to ``stats``."""
+        if self.in_flight is not None:
+            self.combined, seconds, waited = self.in_flight.wait()
+            self.in_flight = None
+            stats.round_seconds += seconds
+            stats.round_wait_seconds += waited
