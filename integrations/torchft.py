@@ -77,10 +77,15 @@ class FaultTolerantRounds:
     """
 
     def __init__(self, manager: Any, averager: LocalStepAverager, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(averager, LocalStepAverager) or averager.consensus is None:
+        if not isinstance(averager, LocalStepAverager) or averager.outer is None:
             raise ValueError(
                 "FaultTolerantRounds needs a LocalStepAverager with an outer step (outer=OuterStep(...), module=model): "
                 "a replica rejoins from its consensus"
+            )
+        if len(averager.fragments) > 1 or averager.sync_delay:
+            raise ValueError(
+                "FaultTolerantRounds rolls a whole round back when a replica is lost; streaming rounds (fragments=, "
+                "sync_delay=) keep a fragment's round in flight across steps, which it cannot roll back yet"
             )
         if averager.layout is not None:
             raise ValueError("FaultTolerantRounds runs flat rounds between replica groups; leave layout= unset")

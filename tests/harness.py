@@ -2,6 +2,8 @@
 benchmarks' launcher of local gloo ranks, any result read back), the tiny model, batches and error capture, and the slow,
 obviously-correct references the fast paths are held to."""
 
+import math
+
 import torch
 from torch import nn
 
@@ -179,3 +181,46 @@ def compressed_allreduce_reference(buffers, worker_errors, server_errors):
         pieces.append(scale * sign)
     result = torch.cat(pieces)[: buffers[0].numel()].view_as(buffers[0])
     return result, worker_errors, server_errors
+
+
+# --- the rounds' one-bit combination of pseudo-gradients, as published --------------------------
+
+
+def shared_scales(deltas, sizes, scale_bits):
+    """The workers' mean of each tensor's mean |delta|, each worker's scales sent in ``scale_bits``:
+    float32; bfloat16 (rounded, divided by the workers, summed in bfloat16); or 8-bit codes
+    round(8·log2(largest/scale)) below the worker's largest scale (255: zero)."""
+    own = [[float(p.abs().mean()) for p in d.split(sizes)] for d in deltas]
+    if scale_bits == 16:
+        return [float(sum(torch.tensor(s[i]).to(torch.bfloat16) / len(own) for s in own)) for i in range(len(sizes))]
+    if scale_bits == 8:
+        codes = [[round(8 * math.log2(max(s) / x)) if x > 0 else 255 for x in s] for s in own]
+        own = [[0.0 if c >= 255 else max(s) * 2 ** (-c / 8) for c in cs] for s, cs in zip(own, codes)]
+    return [sum(s[i] for s in own) / len(own) for i in range(len(sizes))]
+
+
+def coin_vote(deltas, round_index):
+    """The vote with ``tie="fast"``: a tie among the voters takes the coin of the definition,
+    ``tie_bit(call_key(seed 0, round), segment 0, entry)``, entries counted from the start of what
+    the workers vote together."""
+    from signmuon.comm_hooks.kernels import reference
+    from signmuon.comm_hooks.vote.encodings.sign import call_key
+
+    signs = torch.stack([d.sign() for d in deltas]).double()
+    total, present = signs.sum(0), (signs != 0).sum(0)
+    voted = torch.sign(total).float()
+    key = call_key(0, round_index)
+    for i in ((total == 0) & (present > 0)).nonzero().view(-1).tolist():
+        voted[i] = 2.0 * reference.tie_bit(key, 0, i) - 1
+    return voted
+
+
+def sign_vote_combine(deltas, sizes, scale_bits=32, coin_round=None):
+    """Majority vote of the deltas' signs (exact ties; fast ones with ``coin_round``, the round's
+    index), each tensor scaled by :func:`shared_scales`."""
+    if coin_round is None:
+        voted = vote_reference(torch.stack([d.sign() for d in deltas]))
+    else:
+        voted = coin_vote(deltas, coin_round)
+    scales = shared_scales(deltas, sizes, scale_bits)
+    return torch.cat([piece * scale for piece, scale in zip(voted.split(sizes), scales)])

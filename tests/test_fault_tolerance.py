@@ -232,11 +232,17 @@ def _refused_rounds_worker(rank, world_size):
             )
         ),
         capture(lambda: FaultTolerantRounds(object(), good, inner)),
+        capture(
+            lambda: FaultTolerantRounds(
+                None, LocalStepAverager(period=H, outer=OuterStep.diloco(), module=model, fragments=3), inner
+            )
+        ),
     )
 
 
 def test_fault_tolerant_rounds_refuse_what_cannot_survive_a_loss():
-    no_outer, scaled_sign, not_a_manager = run_distributed(_refused_rounds_worker, 1)[0]
+    no_outer, scaled_sign, not_a_manager, streaming = run_distributed(_refused_rounds_worker, 1)[0]
     assert "with an outer step" in no_outer
     assert "scaled_sign" in scaled_sign and "sized by the number of replicas" in scaled_sign
     assert "TypeError" in not_a_manager and "torchft.Manager" in not_a_manager
+    assert "streaming rounds" in streaming and "cannot roll back" in streaming

@@ -1,5 +1,6 @@
 """Rounds with an outer step (DiLoCo, DPPF around the consensus), one-bit rounds and node-aware
-rounds, on real gloo processes against single-process references, and DiLoCo against torchft's."""
+rounds, on real gloo processes against single-process references (DiLoCo against torchft's:
+tests/test_streaming_rounds.py)."""
 
 import functools
 import math
@@ -21,7 +22,7 @@ from tests.harness import (
     rounds_loss,
     rounds_model,
     run_distributed,
-    vote_reference,
+    sign_vote_combine,
 )
 
 H = 3  # local steps per round
@@ -29,46 +30,6 @@ STEPS = 7
 
 
 # --- the single-process reference: DiLoCo (and DPPF around its consensus) as published ----------
-
-
-def _shared_scales(deltas, sizes, scale_bits):
-    """The workers' mean of each tensor's mean |delta|, each worker's scales sent in ``scale_bits``:
-    float32; bfloat16 (rounded, divided by the workers, summed in bfloat16); or 8-bit codes
-    round(8·log2(largest/scale)) below the worker's largest scale (255: zero)."""
-    own = [[float(p.abs().mean()) for p in d.split(sizes)] for d in deltas]
-    if scale_bits == 16:
-        return [float(sum(torch.tensor(s[i]).to(torch.bfloat16) / len(own) for s in own)) for i in range(len(sizes))]
-    if scale_bits == 8:
-        codes = [[round(8 * math.log2(max(s) / x)) if x > 0 else 255 for x in s] for s in own]
-        own = [[0.0 if c >= 255 else max(s) * 2 ** (-c / 8) for c in cs] for s, cs in zip(own, codes)]
-    return [sum(s[i] for s in own) / len(own) for i in range(len(sizes))]
-
-
-def _coin_vote(deltas, round_index):
-    """The vote with ``tie="fast"``: a tie among the voters takes the coin of the definition,
-    ``tie_bit(call_key(seed 0, round), segment 0, entry)``, entries counted from the start of what
-    the workers vote together."""
-    from signmuon.comm_hooks.kernels import reference
-    from signmuon.comm_hooks.vote.encodings.sign import call_key
-
-    signs = torch.stack([d.sign() for d in deltas]).double()
-    total, present = signs.sum(0), (signs != 0).sum(0)
-    voted = torch.sign(total).float()
-    key = call_key(0, round_index)
-    for i in ((total == 0) & (present > 0)).nonzero().view(-1).tolist():
-        voted[i] = 2.0 * reference.tie_bit(key, 0, i) - 1
-    return voted
-
-
-def _sign_vote_combine(deltas, sizes, scale_bits=32, coin_round=None):
-    """Majority vote of the deltas' signs (exact ties; fast ones with ``coin_round``, the round's
-    index), each tensor scaled by :func:`_shared_scales`."""
-    if coin_round is None:
-        voted = vote_reference(torch.stack([d.sign() for d in deltas]))
-    else:
-        voted = _coin_vote(deltas, coin_round)
-    scales = _shared_scales(deltas, sizes, scale_bits)
-    return torch.cat([piece * scale for piece, scale in zip(voted.split(sizes), scales)])
 
 
 def _reference(
@@ -105,14 +66,14 @@ def _reference(
             if combine == "mean":
                 consensus.grad = sum(deltas) / workers
             elif combine == "sign_vote":
-                consensus.grad = _sign_vote_combine(deltas, sizes, scale_bits, coins)
+                consensus.grad = sign_vote_combine(deltas, sizes, scale_bits, coins)
             elif combine == "sign_vote_ef":
                 errors = errors or [torch.zeros_like(consensus) for _ in range(workers)]
                 fed = [d + e for d, e in zip(deltas, errors)]
                 for w, c in enumerate(fed):  # each worker keeps what its own scaled signs leave out
                     pieces = c.split(sizes)
                     errors[w] = torch.cat([p - p.sign() * p.abs().mean() for p in pieces])
-                consensus.grad = _sign_vote_combine(fed, sizes, scale_bits, coins)
+                consensus.grad = sign_vote_combine(fed, sizes, scale_bits, coins)
             else:
                 n = consensus.numel()
                 padded = -(-n // (8 * workers)) * 8 * workers
@@ -442,7 +403,7 @@ def _node_combine(deltas, errors, combine, parts, block, scale_bits, coins=None,
             pieces = [p + e[index] for p, e in zip(pieces, errors)]
             for e, p in zip(errors, pieces):  # each node keeps what its own scaled signs leave out
                 e[index] = torch.cat([q - q.sign() * q.abs().mean() for q in p.split(blocks)])
-        grad[index] = _sign_vote_combine(pieces, blocks, scale_bits, coins)
+        grad[index] = sign_vote_combine(pieces, blocks, scale_bits, coins)
     return grad
 
 
@@ -518,88 +479,6 @@ def test_node_aware_one_bit_rounds_equal_the_node_level_reference(combine, block
                 got, expected[step][rank // 2], rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}"
             )
     assert not torch.equal(results[0][0][-1], results[0][0][0])
-
-
-# --- DiLoCo against torchft's ---------------------------------------------------------------------
-
-
-def _torchft_replica(replica, lighthouse, out_dir):
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
-
-    torch.set_num_threads(1)
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    model = rounds_model()
-    inner = rounds_inner(model)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    manager = Manager(
-        pg=ProcessGroupGloo(),
-        min_replica_size=2,
-        load_state_dict=model.load_state_dict,
-        state_dict=model.state_dict,
-        replica_id=str(replica),
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        port=0,
-        timeout=timedelta(seconds=60),
-        use_async_quorum=False,
-        init_sync=False,
-    )
-    history = []
-    try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=H):
-            for step in range(STEPS):
-                inner.zero_grad()
-                rounds_loss(model, rounds_batch(replica, step)).backward()
-                inner.step()
-                history.append(flat_params(model).clone())
-    finally:
-        manager.shutdown(wait=False)
-    torch.save(history, os.path.join(out_dir, f"replica{replica}.pt"))
-
-
-def _run_torchft(replicas):
-    import multiprocessing
-
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas)
-    try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            ctx = multiprocessing.get_context("spawn")
-            procs = [
-                ctx.Process(target=_torchft_replica, args=(r, lighthouse.address(), out_dir)) for r in range(replicas)
-            ]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=180)
-            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-            return [torch.load(os.path.join(out_dir, f"replica{r}.pt")) for r in range(replicas)]
-    finally:
-        lighthouse.shutdown()
-
-
-def test_diloco_equals_torchft_step_for_step():
-    theirs = _run_torchft(2)
-    ours = run_distributed(_rounds_worker, 2, 1.0, 0.0, "mean", STEPS)
-    for replica in range(2):
-        for step in range(STEPS):
-            torch.testing.assert_close(
-                ours[replica][0][step],
-                theirs[replica][step],
-                rtol=1e-6,
-                atol=1e-7,
-                msg=f"replica {replica} step {step}",
-            )
-    assert not torch.equal(theirs[0][1], theirs[1][1])  # the replicas do train apart between rounds
-    assert torch.equal(theirs[0][H - 1], theirs[1][H - 1])  # and meet at each round
 
 
 # --- rounds on FSDP2's shards: FSDP2 inside each node, rounds between nodes ---------------------

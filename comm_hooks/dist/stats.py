@@ -17,17 +17,25 @@ class CommStats:
     Seconds on this rank's host thread: ``pack_seconds`` (encoding the signs and the zeros'
     lists), ``vote_seconds`` (the vote on the received shards, and its zeros' lists),
     ``unpack_seconds`` (decoding the result) and
-    ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one).
+    ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one;
+    a streaming round's on its own thread).
     On a GPU kernels run asynchronously, so their time shows up where the host next waits for
     them (the headers' reads): the split is exact on CPU and indicative on GPU.
+
+    Rounds with an outer step: ``round_seconds``, the combines of their pseudo-gradients from
+    the collectives' issue to their result (the encoding and decoding around the collectives
+    included, so it bounds their wire time from above); ``round_wait_seconds``, the part of it
+    the training thread waited for when the round landed. A round that lands where it is taken
+    waits for all of it; a streaming round (``sync_delay`` τ > 0) combines on its own thread
+    during the next τ steps, and :attr:`round_hidden_share` is the share that training hid.
     """
 
     _FIELDS = (
         "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
-        "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds",
+        "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds", "round_seconds", "round_wait_seconds",
     )
     __slots__ = (*(name for name in _FIELDS if name != "skipped"), "_skipped", "_skips_on_device")
-    _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds")
+    _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds", "round_seconds", "round_wait_seconds")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -41,6 +49,8 @@ class CommStats:
         self.vote_seconds = 0.0
         self.unpack_seconds = 0.0
         self.wait_seconds = 0.0
+        self.round_seconds = 0.0
+        self.round_wait_seconds = 0.0
 
     @property
     def skipped(self) -> int:
@@ -68,6 +78,13 @@ class CommStats:
         if inside_node:
             self.bytes_sent_inside_node += sent
             self.bytes_received_inside_node += received
+
+    @property
+    def round_hidden_share(self) -> float:
+        """The share of ``round_seconds`` training did not wait for (NaN before any round)."""
+        if self.round_seconds <= 0.0:
+            return float("nan")
+        return max(0.0, 1.0 - self.round_wait_seconds / self.round_seconds)
 
     @property
     def bytes_sent_between_nodes(self) -> int:

@@ -8,8 +8,12 @@
   (``OuterStep.diloco()`` is DiLoCo), and :mod:`.pseudo_gradients`, how they are combined;
 * :mod:`.consensus`: the consensus state and the checks every round starts with;
 * :mod:`.rails`: node-aware rounds, each local rank's slice over its rail;
+* :mod:`.streaming`: streaming rounds (Streaming DiLoCo): fragments, each round taken τ steps
+  before it lands;
+* :mod:`.checkpoints`: the consensus to evaluate or save, and the averager's own checkpoint;
 * :mod:`.post_local_sgd`: the wiring into DDP and ``PostLocalSGDOptimizer``;
-* :mod:`.aliases`: tied weights and tensors that share memory.
+* :mod:`.aliases`: tied weights and tensors that share memory;
+* :mod:`.deprecated`: ``DPPFAverager``, the averager's name until 0.1.
 
 Typical use (torch's ``PostLocalSGDOptimizer`` underneath; save ``opt.state_dict()`` to resume)::
 
@@ -21,7 +25,8 @@ Typical use (torch's ``PostLocalSGDOptimizer`` underneath; save ``opt.state_dict
     weights = averager.consensus_state_dict(model.module)   # on every rank (a collective)
 """
 
-from .engine import DISTANCES, DPPFAverager, LocalStepAverager
+from .deprecated import DPPFAverager
+from .engine import DISTANCES, LocalStepAverager
 from .outer_step import PSEUDO_GRADIENTS, OuterStep
 from .post_local_sgd import local_sgd, register_local_sgd_hook
 

@@ -85,11 +85,28 @@ class Consensus:
     def advance(self, flats: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
         """One round: combine the workers' pseudo-gradients, step the consensus; returns the new
         consensus of each group, whole."""
-        group = rail_group(self.group, self.layout)
-        for i, (c, flat) in enumerate(zip(self.tensors, flats)):
-            lo, hi, _ = rail_bounds(flat.numel(), self.layout)
-            delta = c - flat[lo:hi]
-            c.grad = combine_pseudo_gradients(
+        return self.land(self.combine(self.pseudo_gradients(flats), stats), stats)
+
+    @torch.no_grad()
+    def pseudo_gradients(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This worker's pseudo-gradient of each group (its rail slice in node-aware rounds)."""
+        return [c - flat[lo:hi] for c, flat, (lo, hi) in zip(self.tensors, flats, self.bounds())]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """(lo, hi) of this rank's slice of each flat group."""
+        return [rail_bounds(sum(sizes), self.layout)[:2] for sizes in self.sizes]
+
+    @torch.no_grad()
+    def combine(
+        self, deltas: list[torch.Tensor], stats: CommStats | None, group: dist.ProcessGroup | None = None
+    ) -> list[torch.Tensor]:
+        """The workers' combined pseudo-gradients (``deltas`` overwritten): only the round's
+        collectives between the workers, no state but the error feedback touched, so it may run
+        while training goes on (streaming rounds), over ``group`` in flat rounds (default: the
+        rounds' group), over the rails in node-aware ones."""
+        group = rail_group(self.group if group is None else group, self.layout)
+        return [
+            combine_pseudo_gradients(
                 delta,
                 self.outer.pseudo_gradient,
                 group,
@@ -100,6 +117,14 @@ class Consensus:
                 step=self.rounds,
                 scale_bits=self.outer.scale_bits,
             )
+            for i, (delta, (lo, hi)) in enumerate(zip(deltas, self.bounds()))
+        ]
+
+    @torch.no_grad()
+    def land(self, combined: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
+        """Step the consensus with the ``combined`` pseudo-gradients; returns it whole."""
+        for c, grad in zip(self.tensors, combined):
+            c.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.rounds += 1

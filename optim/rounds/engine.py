@@ -5,8 +5,7 @@ push (:mod:`~signmuon.optim.rounds.dppf`) act around that target."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,19 +24,27 @@ from signmuon.comm_hooks.dist import (
     unflatten_into,
 )
 
-from ..params import local_tensor
 from .aliases import refuse_shared_memory
-from .consensus import Consensus, agree_on_call, check_shards, round_flags
+from .checkpoints import SavedRounds
+from .consensus import Consensus, check_shards, round_flags
 from .dppf import pull_push, worker_distances
-from .members import all_params, by_dtype_and_device, consensus_state, first_names, in_module_order, trained
+from .members import all_params, by_dtype_and_device, first_names, in_module_order, local_groups, trained
 from .outer_step import OuterStep
 from .rails import mean_between_nodes
 from .settings import DISTANCES, averager_settings, check_arguments, check_int, check_layout
+from .streaming import (
+    Fragment,
+    check_fragments,
+    check_streaming,
+    fragment_due,
+    fragment_members,
+    streaming_group,
+)
 
-__all__ = ["DISTANCES", "DPPFAverager", "LocalStepAverager"]
+__all__ = ["DISTANCES", "LocalStepAverager"]
 
 
-class LocalStepAverager(ModelAverager):
+class LocalStepAverager(SavedRounds, ModelAverager):
     """The averager of local-step training (local SGD, DPPF, DiLoCo, MuLoCo, one-bit and
     node-aware rounds); plugs into ``PostLocalSGDOptimizer`` like ``PeriodicModelAverager``.
 
@@ -72,6 +79,14 @@ class LocalStepAverager(ModelAverager):
         layout: node-aware rounds (:func:`signmuon.comm_hooks.node_layout`, at least two nodes):
             :func:`local_sgd` all-reduces gradients inside each node every step, and a round
             sends only each local rank's 1/L slice, over its rail.
+        fragments: streaming rounds (:mod:`~signmuon.optim.rounds.streaming`, torchft's
+            streaming DiLoCo; needs ``outer``): a count F (``module``'s trained parameters cut in
+            its order into F runs balanced by bytes) or a list of fragments, each a module or a
+            list of modules. One fragment's round every ``period / F`` steps, round-robin.
+        sync_delay: τ, the local steps between a fragment's pseudo-gradient being taken (and its
+            collective issued) and its round landing; ``< period / F``.
+        update_alpha: α, the share of its local weights each worker keeps when a round lands
+            (torchft's ``fragment_update_alpha``): the step toward the consensus is ``pull·(1-α)``.
 
     Sharded models (FSDP2 over each node, see the module's docstring): pass
     ``process_group=mesh["node"].get_group()``; the rounds run on this rank's shards, and
@@ -108,10 +123,17 @@ class LocalStepAverager(ModelAverager):
         nonfinite: str = "skip",
         outer: OuterStep | None = None,
         layout: NodeLayout | None = None,
+        fragments: int | Sequence[Any] = 1,
+        sync_delay: int = 0,
+        update_alpha: float = 0.0,
     ) -> None:
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         check_arguments(pull, push, eps, distance, nonfinite, outer, module)
+        self.sync_delay, self.update_alpha = check_streaming(fragments, sync_delay, update_alpha, outer)
+        members = fragment_members(module, fragments) if outer is not None else []
+        if members:
+            check_fragments(len(members), self.period, self.sync_delay, push)
         super().__init__(process_group)  # sets self.process_group (WORLD if None) and self.step = 0
         self.pull = float(pull)
         self.push = float(push)
@@ -130,14 +152,27 @@ class LocalStepAverager(ModelAverager):
         self._settings_checked = False
         self.layout = check_layout(layout, self.process_group)
         self.outer = outer
-        self.consensus = None
+        self.fragments: list[Fragment] = []  # with an outer step: one per fragment (one without streaming)
         if module is not None:
             check_shards(module, self.process_group, self.push, self.layout)
             refuse_shared_memory(trained(module), first_names(module))
         if outer is not None:
-            params = [local_tensor(p) for p in module.parameters() if p.requires_grad]
-            self.consensus = Consensus(by_dtype_and_device(params), outer, self.process_group, self.layout)
+            for params in members:
+                consensus = Consensus(local_groups(params), outer, self.process_group, self.layout)
+                self.fragments.append(Fragment(params, consensus))
             self._consensus_checked = False  # compared at the first round after construction or a load
+        self._streaming_group = streaming_group(self.process_group, self.layout, self.sync_delay)
+
+    @property
+    def consensus(self) -> Consensus | None:
+        """The consensus of rounds with an outer step (None without one); with fragments each
+        has its own, ``fragments[f].consensus``."""
+        if len(self.fragments) > 1:
+            raise ValueError(
+                f"this averager's rounds have {len(self.fragments)} fragments, each with its own consensus: "
+                "read averager.fragments[f].consensus"
+            )
+        return self.fragments[0].consensus if self.fragments else None
 
     @property
     def step(self) -> int:
@@ -149,7 +184,7 @@ class LocalStepAverager(ModelAverager):
         # Set from outside past the warm-up (PostLocalSGDOptimizer.load_state_dict) on an averager
         # whose consensus was built here: that consensus is not the restored step's.
         value = int(value)
-        if getattr(self, "consensus", None) is not None and not self._consensus_loaded and value != self._step:
+        if getattr(self, "outer", None) is not None and not self._consensus_loaded and value != self._step:
             self._restored_without_consensus = value >= self.warmup_steps
         self._step = value
 
@@ -158,8 +193,8 @@ class LocalStepAverager(ModelAverager):
         step = self.step if step is None else step
         if step < self.warmup_steps:
             return False
-        if self.outer is not None:  # after every `period` local steps
-            return (step - self.warmup_steps + 1) % self.period == 0
+        if self.outer is not None:  # a fragment's round lands after every period / F local steps
+            return (step - self.warmup_steps + 1) % (self.period // len(self.fragments)) == 0
         return (step - self.warmup_steps) % self.period == 0  # torch's: right after the warm-up, then every period
 
     def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
@@ -170,17 +205,28 @@ class LocalStepAverager(ModelAverager):
         """
         self._check_settings()
         params = all_params(params)
-        if self.consensus is not None:  # every call: a wrong parameter list fails at once, not at a round
+        if self.outer is not None:  # every call: a wrong parameter list fails at once, not at a round
             params = in_module_order(self.module, params)
-            groups = by_dtype_and_device(local_tensor(p) for p in params)
             if self.step == self.warmup_steps - 1:  # the workers are equal at the end of the warm-up
-                self.consensus.reset([flatten(tensors) for tensors in groups])
-        if self.is_round():
+                for part in self.fragments:
+                    part.consensus.reset([flatten(tensors) for tensors in local_groups(part.params)])
+            self._outer_rounds(params)
+        elif self.is_round():
             refuse_shared_memory(params, first_names(self.module) if self.module is not None else None)
             agreed = self._agreed_params(params)
             if agreed is not None:
-                self._round(params if self.consensus is not None else agreed)
+                self._round(agreed)
         self._step += 1
+
+    def _outer_rounds(self, params: list[torch.Tensor]) -> None:
+        """Take (pseudo-gradient and collective) and land (outer step, pull) the fragments' rounds due now."""
+        k = self.step - self.warmup_steps + 1  # local steps since the warm-up, this one included
+        taken, lands = fragment_due(k, self.period, len(self.fragments), self.sync_delay) if k > 0 else (None, None)
+        if taken is not None:
+            refuse_shared_memory(params, first_names(self.module))
+            self._take(self.fragments[taken])
+        if lands is not None:
+            self._land(self.fragments[lands])
 
     def _check_settings(self) -> None:
         """At a fresh averager's first collective: the same settings on every rank."""
@@ -192,7 +238,7 @@ class LocalStepAverager(ModelAverager):
         """The parameters every rank averages this round, or None when the round is skipped."""
         if dist._rank_not_in_group(self.process_group):
             return None
-        unchecked = self.consensus is not None and not self._consensus_checked
+        unchecked = self.outer is not None and not self._consensus_checked
         used, bad_ranks, check_consensus = round_flags(
             params,
             self._buffers(),
@@ -204,7 +250,8 @@ class LocalStepAverager(ModelAverager):
             restored_without_consensus=self._restored_without_consensus,
         )
         if check_consensus:  # some rank is new to this consensus (first round, or loaded): all compare
-            self.consensus.check_same_start(self.stats)
+            for part in self.fragments:
+                part.consensus.check_same_start(self.stats)
             self._consensus_checked = True
         if bad_ranks:
             self.stats.skipped += 1
@@ -222,21 +269,52 @@ class LocalStepAverager(ModelAverager):
 
     @torch.no_grad()
     def _round(self, params: list[torch.Tensor]) -> None:
+        """A round without an outer step: every worker around the workers' average."""
         group = self.process_group
         if dist._rank_not_in_group(group):
             return
-        params = [local_tensor(p) for p in params]  # FSDP2: this rank's shards
         self.stats.calls += 1
-        distances = []
-        groups = by_dtype_and_device(params)
+        groups = local_groups(params)
         flats = [flatten(tensors) for tensors in groups]  # [n] this worker's x, per group
-        if self.consensus is not None:
-            targets = self.consensus.advance(flats, self.stats)
-        else:  # x_bar (torch's order: divide, then sum)
-            targets = [mean_between_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
+        # x_bar (torch's order: divide, then sum)
+        targets = [mean_between_nodes(flat.clone(), group, self.layout, self.stats) for flat in flats]
+        self._pull_push(groups, flats, targets, self.pull)
+
+    @torch.no_grad()
+    def _take(self, part: Fragment) -> None:
+        """A fragment's round, taken: its pseudo-gradient, combined over the workers."""
+        if self._agreed_params(part.params) is None:
+            part.skipped = True
+            return
+        self.stats.calls += 1
+        flats = [flatten(tensors) for tensors in local_groups(part.params)]
+        part.take(flats, self.stats, self._streaming_group, streamed=self.sync_delay > 0)
+
+    @torch.no_grad()
+    def _land(self, part: Fragment) -> None:
+        """A fragment's round, landed: the outer step, then each worker toward the new consensus."""
+        part.settle(self.stats)
+        if part.skipped or dist._rank_not_in_group(self.process_group):
+            part.skipped = False
+            return
+        if part.combined is None:
+            raise ValueError(
+                f"a fragment's round lands at step {self.step} but was never taken on this rank: the averager was "
+                "restored between its sync_delay steps without the state it saved (load LocalStepAverager.state_dict())"
+            )
+        combined, part.combined = part.combined, None
+        targets = part.consensus.land(combined, self.stats)
+        groups = local_groups(part.params)
+        pull = self.pull * (1.0 - self.update_alpha)
+        self._pull_push(groups, [flatten(tensors) for tensors in groups], targets, pull)
+
+    def _pull_push(
+        self, groups: list[list[torch.Tensor]], flats: list[torch.Tensor], targets: list[torch.Tensor], pull: float
+    ) -> None:
+        distances = []
         per_tensor = self.distance == "tensor"
         for tensors, flat, target in zip(groups, flats, targets):
-            distances += pull_push(tensors, flat, target, self.pull, self.push, self.eps, per_tensor=per_tensor)
+            distances += pull_push(tensors, flat, target, pull, self.push, self.eps, per_tensor=per_tensor)
         if self.average_buffers and self.module is not None:
             self._average_buffers()
         self.mean_distance, self.max_distance = worker_distances(distances, self.process_group, self.track_distances)
@@ -245,83 +323,3 @@ class LocalStepAverager(ModelAverager):
     def _average_buffers(self) -> None:
         for tensors in by_dtype_and_device(self._buffers()):
             unflatten_into(mean_all_reduce(flatten(tensors), self.process_group, self.stats), tensors)
-
-    # -- the consensus model ---------------------------------------------------------------
-
-    @torch.no_grad()
-    def consensus_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """``module.state_dict()`` with every floating-point tensor replaced by its mean over the
-        workers (x_bar), and with an outer step the parameters by the consensus: the model to
-        evaluate or save. Every name of a tied tensor carries its value (the names share one
-        tensor, as in ``module.state_dict()``). A collective: call it on every rank after as
-        many optimizer steps (else ``VoteMismatchError`` on every rank, naming each rank's
-        steps). The workers' own parameters are left untouched, and ``stats`` does not count
-        this (evaluation traffic, not training)."""
-        self._check_settings()
-        params = trained(module)
-        if self.consensus is not None and [id(p) for p in params] != [id(p) for p in trained(self.module)]:
-            raise ValueError(
-                "consensus_state_dict(module): its parameters that require grad are not those the consensus "
-                "was made of (LocalStepAverager(module=...)'s); pass that module (or the DDP model around it)"
-            )
-        agree_on_call(
-            "consensus_state_dict",
-            self.step,
-            params,
-            self.process_group,
-            None,
-            settings=settings_digest(averager_settings(self)),
-            restored_without_consensus=self._restored_without_consensus,
-        )
-        wholes = self.consensus.whole() if self.consensus is not None else []
-        return consensus_state(module, params, wholes, self.process_group)
-
-    # -- checkpointing ---------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Step counter, settings and statistics (what a resumed run needs to continue)."""
-        return {
-            "step": self.step,
-            "rounds": self.rounds,
-            "period": self.period,
-            "warmup_steps": self.warmup_steps,
-            "pull": self.pull,
-            "push": self.push,
-            "eps": self.eps,
-            "distance": self.distance,
-            "mean_distance": self.mean_distance,
-            "max_distance": self.max_distance,
-            "stats": self.stats.state_dict(),
-            "consensus": None if self.consensus is None else self.consensus.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters and statistics; settings must match the ones this averager has."""
-        for name in ("period", "warmup_steps", "pull", "push", "distance"):
-            if state[name] != getattr(self, name):
-                raise ValueError(f"checkpoint has {name}={state[name]!r}, this averager {getattr(self, name)!r}")
-        self._step = int(state["step"])
-        self.rounds = int(state["rounds"])
-        self.mean_distance = float(state["mean_distance"])
-        self.max_distance = float(state["max_distance"])
-        self.stats.load_state_dict(state["stats"])
-        if (state.get("consensus") is None) != (self.consensus is None):
-            raise ValueError("the checkpoint's averager and this one differ in having an outer step")
-        if self.consensus is not None:
-            self.consensus.load_state_dict(state["consensus"])
-            self._consensus_checked = False
-            self._consensus_loaded, self._restored_without_consensus = True, False
-        self._settings_checked = True  # the rounds compare them from here
-
-
-class DPPFAverager(LocalStepAverager):
-    """The name :class:`LocalStepAverager` had until signmuon 0.1; it goes in 0.3."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        warnings.warn(
-            "DPPFAverager is now LocalStepAverager (signmuon.optim.LocalStepAverager), the same class; "
-            "the old name is removed in signmuon 0.3",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(*args, **kwargs)

@@ -24,6 +24,7 @@ __all__ = [
     "distinct",
     "first_names",
     "in_module_order",
+    "local_groups",
     "trained",
     "write_consensus",
 ]
@@ -97,15 +98,16 @@ def by_dtype_and_device(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tens
 
 
 def consensus_state(
-    module: nn.Module, params: list[torch.Tensor], wholes: list[torch.Tensor], group: dist.ProcessGroup
+    module: nn.Module, parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]], group: dist.ProcessGroup
 ) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` cloned, ``params`` (by dtype and device) replaced by the consensus
-    ``wholes`` of their groups (none without an outer step), every other floating-point tensor by
-    its mean over ``group``: a collective, not counted in any statistics."""
+    """``module.state_dict()`` cloned, each part's parameters (by dtype and device) replaced by
+    the consensus of their groups (``parts``: (parameters, consensus of each group) per fragment;
+    none without an outer step), every other floating-point tensor by its mean over ``group``:
+    a collective, not counted in any statistics."""
     state = clone_once(module.state_dict())
     written: set[int] = set()
-    if wholes:
-        names = all_names(module)
+    names = all_names(module)
+    for params, wholes in parts:
         for tensors, whole in zip(by_dtype_and_device(params), wholes):
             written |= write_consensus(whole, tensors, names, state)
     floats = [v for v in distinct(state.values()) if v.is_floating_point() and id(v) not in written]
@@ -115,3 +117,8 @@ def consensus_state(
             [local_tensor(v) for v in tensors],
         )
     return state
+
+
+def local_groups(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params``' local tensors (FSDP2: this rank's shards) by dtype and device."""
+    return by_dtype_and_device(local_tensor(p) for p in params)

@@ -43,6 +43,8 @@ SETTINGS = (
     "average_buffers",
     "track_distances",
     "nonfinite",
+    "sync_delay",
+    "update_alpha",
 )
 
 
@@ -59,7 +61,8 @@ def averager_settings(averager: Any) -> dict[str, Any]:
             outer.scale_block,
             outer.scale_bits,
         )
-    return {**settings, "outer": outer, "layout": nodes}
+    fragments = [tuple(tuple(p.shape) for p in part.params) for part in averager.fragments]
+    return {**settings, "outer": outer, "layout": nodes, "fragments": fragments}
 
 
 def describe_factory(factory: Any) -> str:

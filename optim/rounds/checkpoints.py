@@ -1,0 +1,104 @@
+"""What the rounds save: the model to evaluate or save (the consensus, a collective), and a
+checkpoint of the averager itself (the step, the statistics, the settings a resumed run must
+share, and with an outer step each fragment's consensus and outer optimizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from signmuon.comm_hooks.dist import settings_digest
+
+from .consensus import agree_on_call
+from .members import consensus_state, trained
+from .settings import averager_settings
+from .streaming import Fragment
+
+__all__ = ["SavedRounds"]
+
+
+class SavedRounds:
+    """What :class:`~signmuon.optim.LocalStepAverager` saves and evaluates (a mixin of it)."""
+
+    @torch.no_grad()
+    def consensus_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with every floating-point tensor replaced by its mean over the
+        workers (x_bar), and with an outer step the parameters by the consensus: the model to
+        evaluate or save. Every name of a tied tensor carries its value (the names share one
+        tensor, as in ``module.state_dict()``). A collective: call it on every rank after as
+        many optimizer steps (else ``VoteMismatchError`` on every rank, naming each rank's
+        steps). The workers' own parameters are left untouched, and ``stats`` does not count
+        this (evaluation traffic, not training)."""
+        self._check_settings()
+        params = trained(module)
+        if self.outer is not None and [id(p) for p in params] != [id(p) for p in trained(self.module)]:
+            raise ValueError(
+                "consensus_state_dict(module): its parameters that require grad are not those the consensus "
+                "was made of (LocalStepAverager(module=...)'s); pass that module (or the DDP model around it)"
+            )
+        agree_on_call(
+            "consensus_state_dict",
+            self.step,
+            params,
+            self.process_group,
+            None,
+            settings=settings_digest(averager_settings(self)),
+            restored_without_consensus=self._restored_without_consensus,
+        )
+        wholes = [(part.params, part.consensus.whole()) for part in self.fragments]
+        return consensus_state(module, wholes, self.process_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, settings and statistics (what a resumed run needs to continue)."""
+        return {
+            "step": self.step,
+            "rounds": self.rounds,
+            "period": self.period,
+            "warmup_steps": self.warmup_steps,
+            "pull": self.pull,
+            "push": self.push,
+            "eps": self.eps,
+            "distance": self.distance,
+            "mean_distance": self.mean_distance,
+            "max_distance": self.max_distance,
+            "stats": self.stats.state_dict(),
+            "sync_delay": self.sync_delay,
+            "update_alpha": self.update_alpha,
+            "consensus": _consensus_states(self.fragments),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters and statistics; settings must match the ones this averager has."""
+        saved = {**state, "sync_delay": state.get("sync_delay", 0), "update_alpha": state.get("update_alpha", 0.0)}
+        for name in ("period", "warmup_steps", "pull", "push", "distance", "sync_delay", "update_alpha"):
+            if saved[name] != getattr(self, name):
+                raise ValueError(f"checkpoint has {name}={saved[name]!r}, this averager {getattr(self, name)!r}")
+        consensus = state.get("consensus")
+        if (consensus is None) != (self.outer is None):
+            raise ValueError("the checkpoint's averager and this one differ in having an outer step")
+        consensus = [consensus] if isinstance(consensus, dict) else consensus or []
+        if len(consensus) != len(self.fragments):
+            raise ValueError(
+                f"the checkpoint's rounds have {len(consensus)} fragment(s), this averager {len(self.fragments)}"
+            )
+        self._step = int(state["step"])
+        self.rounds = int(state["rounds"])
+        self.mean_distance = float(state["mean_distance"])
+        self.max_distance = float(state["max_distance"])
+        self.stats.load_state_dict(state["stats"])
+        for part, saved_part in zip(self.fragments, consensus):
+            part.consensus.load_state_dict(saved_part)
+        if self.outer is not None:
+            self._consensus_checked = False
+            self._consensus_loaded, self._restored_without_consensus = True, False
+        self._settings_checked = True  # the rounds compare them from here
+
+
+def _consensus_states(fragments: list[Fragment]) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """The consensus of each fragment (one: as rounds without fragments save it; none: None)."""
+    if not fragments:
+        return None
+    states = [part.consensus.state_dict() for part in fragments]
+    return states[0] if len(states) == 1 else states
