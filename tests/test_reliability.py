@@ -183,7 +183,8 @@ def test_mismatched_settings_raise_on_every_rank():
     for errors in run_distributed(_mismatch_worker, 2):
         for what in ("hook", "signmuon", "dppf"):
             assert errors[what].startswith("SettingsMismatchError") and "rank(s) [1]" in errors[what], errors[what]
-        assert "momentum=0." in errors["hook"]
+        # the differing field first, with both ranks' values
+        assert "in momentum (rank 0: 0.9, rank 1: 0.5)" in errors["hook"], errors["hook"]
 
 
 # --- uneven inputs and dead ranks ------------------------------------------------------------
