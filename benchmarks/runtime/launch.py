@@ -23,7 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple, threads: int) -> None:
+def _entry(rank: int, call: bytes, world_size: int, init_file: str, out_dir: str, threads: int, environ: dict) -> None:
+    # The caller's environment first, then its function: a forkserver's child starts with the
+    # server's environment, and unpickling ``fn`` imports modules that read theirs.
+    os.environ.clear()
+    os.environ.update(environ)
+    fn, args = pickle.loads(call)
     torch.set_num_threads(threads)
     # What torchrun sets, for frameworks that read it (DeepSpeed requires LOCAL_RANK).
     os.environ.update(
@@ -146,19 +151,27 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, threads:
     return run_ranks(fn, world_size, args, timeout=timeout, threads=threads, load=load_result)
 
 
-def run_ranks(fn, world_size: int, args: tuple, *, timeout: float, threads: int, load) -> list:
+def run_ranks(fn, world_size: int, args: tuple, *, timeout: float, threads: int, load, start_method="spawn") -> list:
     """:func:`run_distributed` with the reader of each rank's result file, ``load(path)``; a rank
-    that exited cleanly without a result (a test's deliberately dead rank) gives None."""
+    that exited cleanly without a result (a test's deliberately dead rank) gives None.
+
+    ``start_method="forkserver"`` forks the ranks from a server that has imported what
+    :func:`multiprocessing.set_forkserver_preload` names (torch, once), instead of starting
+    each in a fresh interpreter; the ranks still get this process's environment, path and
+    working directory."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (a forked rank inherits threads)")
+    call = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory() as out_dir:
         init_file = os.path.join(out_dir, "rendezvous")
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, init_file, out_dir, args, threads),
+            args=(call, world_size, init_file, out_dir, threads, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
