@@ -11,7 +11,8 @@ from signmuon.optim import SignMuon, SignumMV
 
 from . import fsdp_world, scaler_world
 from .cells import Cell, check_cells
-from .ddp_world import ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
+from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
+from .ddp_world import _optimizer as _ddp_optimizer
 
 HOOKED = ("hook-signsgd", "hook-signum", "SignumMV", "SignSGDMV", "SignMuon")
 IN_STEP = ("SignumMV-in-step", "SignMuon-in-step")
@@ -138,7 +139,7 @@ def overflow_cells() -> list[Cell]:
 
 
 def test_hooks_and_optimizers_on_two_ranks():
-    check_cells(two_rank_cells() + overflow_cells(), 2)
+    check_cells(two_rank_cells() + overflow_cells() + handed_cells(), 2)
 
 
 def test_who_votes_on_four_ranks():  # and the FSDP2 cells, 2 nodes x 2, in the same process group
@@ -347,4 +348,90 @@ def fsdp_cells() -> list[Cell]:
             "VoteMismatchError",
         )
     )
+    return cells
+
+
+# --- what DDP hands the hook: a second backward, the Python reducer, requires_grad toggled ------
+
+
+def _hooked(entry: str, net: Net, model: DDP):
+    """The entry's hook on ``model`` and the optimizer that applies it."""
+    config = Config(entry)
+    if entry.startswith("hook-"):
+        momentum = BETA if entry == "hook-signum" else 0.0
+        model.register_comm_hook(SignVoteState(momentum=momentum, start_iter=config.warmup, vote=EXACT), sign_vote_hook)
+        return torch.optim.SGD(net.parameters(), lr=LR)
+    opt = _ddp_optimizer(config, net, None)
+    opt.register_comm_hook(model)
+    return opt
+
+
+def _python_reducer(rank: int, world_size: int, entry: str):
+    """DDP built under ``optimize_ddp="python_reducer"`` (what compiled autograd's DDP uses): its
+    per-parameter hooks call the comm hook with ``(grad, param)`` and drop what it returns."""
+    import torch._dynamo
+
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        net = Net()
+        model = DDP(net)
+        opt = _hooked(entry, net, model)
+        for step in range(2):
+            opt.zero_grad()
+            backward(model, rank, step, 0, True)
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        torch._dynamo.config.optimize_ddp = before
+
+
+def _unfrozen_later(rank: int, world_size: int, entry: str):
+    """The head frozen when DDP is built, unfrozen after the first step: DDP never reduces it."""
+    net = Net()
+    net.extra.requires_grad_(False)
+    model = DDP(net)
+    opt = _hooked(entry, net, model)
+    for step in range(3):
+        if step == 1:
+            net.extra.requires_grad_(True)
+        opt.zero_grad()
+        backward(model, rank, step, 0, True)
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def handed_cells() -> list[Cell]:
+    """The bare hook is left out of the second-backward and unfrozen cells: it cannot tell a second
+    backward from the next step, and DDP itself never reduces a parameter unfrozen after it was built."""
+    cells = []
+    for entry in ("SignumMV", "SignSGDMV"):  # SignMuon's: refusal_cells
+        cells.append(
+            _cell(
+                "what the hook is handed",
+                "a second backward before step() without no_sync",
+                Config(entry, (3, 3), micro=2, sync_every_micro=True),
+                refusal="accumulate micro-batches with their forward and backward under ddp_model.no_sync()",
+            )
+        )
+    for entry in HOOKED:
+        cells.append(
+            Cell(
+                ENTRIES[entry],
+                "what the hook is handed",
+                "compiled autograd's per-parameter Python reducer (optimize_ddp='python_reducer')",
+                partial(_python_reducer, entry=entry),
+                refusal="optimize_ddp left at its default",
+            )
+        )
+    for entry in HOOKED[2:]:
+        cells.append(
+            Cell(
+                ENTRIES[entry],
+                "who has a gradient",
+                "a head frozen when DDP is built, unfrozen after step 1: refused naming requires_grad",
+                partial(_unfrozen_later, entry=entry),
+                refusal="Set requires_grad before building DDP",
+            )
+        )
     return cells
