@@ -10,7 +10,7 @@ import torch
 
 from .dist import NonFiniteError
 
-__all__ = ["CountsHookCalls", "DeferredErrors", "watch_first_step"]
+__all__ = ["CountsHookCalls", "DeferredErrors", "refuse_per_parameter_call", "watch_first_step"]
 
 
 class CountsHookCalls(Protocol):
@@ -94,3 +94,17 @@ def watch_first_step(state: CountsHookCalls, optimizer: torch.optim.Optimizer, f
 
     handles.append(optimizer.register_step_pre_hook(before))
     handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: check(opt)))
+
+
+def refuse_per_parameter_call(bucket: object, hook: str) -> None:
+    """Raise where DDP's Python reducer calls ``hook`` with one parameter's ``(grad, param)``: it
+    drops what the hook returns, so the vote would never reach the gradients (each rank would step
+    on its own)."""
+    if isinstance(bucket, tuple):
+        raise RuntimeError(
+            f"{hook} was called with one parameter's (grad, param), as DDP's Python reducer calls comm hooks "
+            "(torch._dynamo.config.optimize_ddp='python_reducer', the DDP of compiled autograd); that reducer drops "
+            "the hook's result, so the vote would not reach the gradients. Build DDP with optimize_ddp left at its "
+            "default ('ddp_optimizer') and compiled autograd off, or vote without DDP's hook: "
+            "SignumMV/SignMuon(..., vote_in_step=True)"
+        )

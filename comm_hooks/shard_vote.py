@@ -34,7 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .dist import CommStats, agree, all_reduce, all_to_all, group_device, mean_all_reduce, nonfinite_flag
+from .dist import (
+    CommStats,
+    VoteMismatchError,
+    agree,
+    all_reduce,
+    all_to_all,
+    group_device,
+    mean_all_reduce,
+    nonfinite_flag,
+)
 from .kernels.bits import SignSegments
 from .vote import NodeLayout, VoteConfig, vote_in_place
 
@@ -105,12 +114,36 @@ class ShardVoter:
         layout: the node group (the ranks a tensor is sharded over) and the rail group.
         config: the vote's settings (``hierarchical`` is implied: the voters are nodes).
         stats: where bytes are counted (inside a node and between nodes).
+        defer_mismatch: keep a rail's VoteMismatchError until :meth:`settle` (the vote goes on
+            with zeros), so the node's other ranks, whose rails agree, learn of it too.
     """
 
-    __slots__ = ("layout", "config", "stats")
+    __slots__ = ("layout", "config", "stats", "defer_mismatch", "pending")
 
-    def __init__(self, layout: NodeLayout, config: VoteConfig, stats: CommStats) -> None:
+    def __init__(self, layout: NodeLayout, config: VoteConfig, stats: CommStats, defer_mismatch: bool = False) -> None:
         self.layout, self.config, self.stats = layout, config, stats
+        self.defer_mismatch = defer_mismatch
+        self.pending: VoteMismatchError | None = None
+
+    def _mismatch(self, error: VoteMismatchError) -> None:
+        if not self.defer_mismatch:
+            raise error
+        self.pending = self.pending or error
+
+    def settle(self, hint: str = "") -> None:
+        """Raise a mismatch deferred on any rank of this node, on every rank (one tiny all-reduce
+        in the node; every rail reaches every node, so one hop tells every rank)."""
+        flag = torch.tensor([int(self.pending is not None)], dtype=torch.int32, device=self.device)
+        if self.layout.node_group is not None and self.layout.ranks_per_node > 1:
+            all_reduce(flag, self.layout.node_group, op="max")
+        error, self.pending = self.pending, None
+        if error is not None:
+            raise VoteMismatchError(f"{error}{hint}") from error
+        if int(flag.item()):
+            raise VoteMismatchError(
+                "another rank of this node met ranks of other nodes at a different vote (another step, or another "
+                f"FSDP unit) and raised VoteMismatchError: every rank stops at the same place{hint}"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -197,16 +230,20 @@ class ShardVoter:
         voter = torch.cat([p.float() for p in pieces]) if pieces else torch.zeros(0, device=device)
         segments = SignSegments.of_pieces([p.numel() for p in pieces], keys, firsts) if pieces else None
         rail = self.layout.rail_group, self.config.rail
-        voted = vote_in_place(
-            voter,
-            *rail,
-            step=step,
-            segments=segments,
-            stats=self.stats,
-            label=label,
-            input_nonfinite=any_bad,
-            tag=tag,
-        )
+        try:
+            voted = vote_in_place(
+                voter,
+                *rail,
+                step=step,
+                segments=segments,
+                stats=self.stats,
+                label=label,
+                input_nonfinite=any_bad,
+                tag=tag,
+            )
+        except VoteMismatchError as error:  # every rank of the rail raises it, the node's others may not
+            self._mismatch(error)
+            voted = torch.zeros_like(voter)
         results: list[torch.Tensor | None] = [None] * len(specs)
         cursor = 0
         for i, spec in enumerate(specs):
@@ -268,9 +305,13 @@ class ShardVoter:
         :class:`~signmuon.comm_hooks.VoteMismatchError` on every rank, naming each one's."""
         if not shards:
             return []
-        if tag is not None:
-            agree({"tag": tag}, self.layout.rail_group, what=label or "the same mean", stats=self.stats)
         device = self.device
+        if tag is not None:
+            try:
+                agree({"tag": tag}, self.layout.rail_group, what=label or "the same mean", stats=self.stats)
+            except VoteMismatchError as error:
+                self._mismatch(error)
+                return [torch.zeros(shape, device=device) for shape in shapes]
         full = [s.float() if s is not None else torch.zeros(shape, device=device) for s, shape in zip(shards, shapes)]
         flat = torch.cat([f.reshape(-1) for f in full])
         self.stats.calls += 1

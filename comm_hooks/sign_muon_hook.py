@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .allreduce import mean_all_reduce_future
 from .dist import flatten, unflatten_into
+from .hook_guards import refuse_per_parameter_call
 from .hook_state import VoteHookState
 from .vote import NodeLayout, OwnedVoteWork, VoteConfig, mean_node_aware
 
@@ -65,7 +66,7 @@ class SignMuonHookState(VoteHookState):
     rank); a pass followed by a lower scale and no step was such a skipped step, and is dropped.
     """
 
-    __slots__ = ("optimizer", "passes", "raised_seen", "skipped_seen", "scale")
+    __slots__ = ("optimizer", "passes", "raised_seen", "skipped_seen", "scale", "hooked")
     _UNPICKLED = VoteHookState._UNPICKLED + ("optimizer", "iter", "scale")
 
     def __init__(
@@ -86,6 +87,7 @@ class SignMuonHookState(VoteHookState):
         self.passes = 0
         self.raised_seen = 0  # ``raised`` at the last step: passes since then that raised
         self.skipped_seen = 0  # ``stats.skipped`` at the last step: votes skipped since then
+        self.hooked: set[int] = set()  # ids of the parameters a bucket ever held (DDP's, fixed when it is built)
 
     def _start_process_state(self) -> None:
         super()._start_process_state()
@@ -172,12 +174,14 @@ def sign_muon_hook(state: SignMuonHookState, bucket: dist.GradBucket) -> torch.f
             f"sign_muon_hook needs a SignMuonHookState, got {type(state).__name__}: register it with "
             "opt.register_comm_hook(ddp_model) (or ddp_model.register_comm_hook(opt.comm_state, sign_muon_hook))"
         )
+    refuse_per_parameter_call(bucket, "sign_muon_hook")
     grad = bucket.buffer()  # [n] this bucket's flat gradients
     if grad.is_sparse:
         raise ValueError("sign_muon_hook got a sparse gradient bucket; sparse gradients are not supported")
     state.begin_bucket(bucket)
     opt = state.optimizer
     params, grads = bucket.parameters(), bucket.gradients()  # grads: views into `grad`
+    state.hooked.update(map(id, params))
     voted = [opt.votes(p) for p in params]
     layout = state.node_layout()
     if layout is not None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .allreduce import mean_all_reduce_future
 from .dist import group_size_rank, nonfinite_flag
+from .hook_guards import refuse_per_parameter_call
 from .hook_state import VoteHookState
 from .kernels.bits import advance_momentum_unless
 from .vote import MomentumStep, VoteConfig, merge_in_node, node_slice
@@ -226,6 +227,7 @@ class SignVoteState(VoteHookState):
 
 def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Replace the bucket's gradient with the majority vote of the workers' (momentum) signs."""
+    refuse_per_parameter_call(bucket, "sign_vote_hook")
     grad = bucket.buffer()  # [n] flat gradients of this bucket
     if grad.is_sparse:
         raise ValueError("sign_vote_hook got a sparse gradient bucket; sparse gradients are not supported")

@@ -121,6 +121,13 @@ class HookExchange(Exchange):
         parameter, as ``vote_in_step``'s one vote of the step (and the FSDP vote) does."""
         refuse_dtensors(params, name)
         self.state.check_one_pass(name)
+        unhooked = [tuple(p.shape) for p in params if p.grad is not None and id(p) not in self.state.hooked]
+        if unhooked:  # its .grad is this rank's own: its sign would step each replica its own way
+            raise RuntimeError(
+                f"{name}.step(): parameters of shapes {unhooked} have a gradient no hook call voted: DDP reduces only "
+                "the parameters that had requires_grad when it was built, so one unfrozen later is never voted. Set "
+                "requires_grad before building DDP (after unfreezing, build DDP again and register the hook on it)"
+            )
         voted, averaged = optimizer.split_by_path([p for p in params if p.grad is not None])
         signs = [p.grad.sign_() for _, p, _ in voted]
         if self.state.skipped_since_step():

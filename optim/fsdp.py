@@ -161,6 +161,13 @@ def register_fsdp_vote(
         raise ValueError(f"VoteConfig(ranks_per_node={ranks_per_node}) but the mesh has {per_node} ranks per node")
     if not isinstance(during_backward, bool):
         raise TypeError(f"during_backward must be True or False, not {during_backward!r}")
+    given = optimizer.process_group
+    if given is not None and sorted(dist.get_process_group_ranks(given)) != sorted(mesh.mesh.flatten().tolist()):
+        raise ValueError(  # the mesh says who votes; a group given as well would be silently ignored
+            f"{name} was given process_group over ranks {dist.get_process_group_ranks(given)}, but the FSDP vote runs "
+            f"over the mesh's ranks {mesh.mesh.tolist()} (nodes x local): create the optimizer without process_group "
+            "and pass the mesh of the ranks that should vote to register_fsdp_vote"
+        )
     node_group = mesh["local"].get_group()
     if during_backward:  # the worker thread's collectives must not interleave with FSDP2's on its group
         groups = [dist.new_group(ranks) for ranks in mesh.mesh.tolist()]
@@ -186,7 +193,9 @@ def register_fsdp_vote(
             "backward (a parameter shared between units is not); pass during_backward=False"
         )
     check_same_settings(optimizer.settings(), optimizer.process_group, what=f"{name} settings")
-    sharded = ShardedExchange(mesh, ShardVoter(layout, optimizer.vote_config, optimizer.stats), specs)
+    sharded = ShardedExchange(
+        mesh, ShardVoter(layout, optimizer.vote_config, optimizer.stats, defer_mismatch=True), specs
+    )
     optimizer.use_exchange(sharded)
     if during_backward:
         order = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -195,6 +204,7 @@ def register_fsdp_vote(
             per_node,
             lambda unit, params, grads: sharded.vote(optimizer, params, name, grads, unit),
             sharded.voter.device,
+            settle=lambda: sharded.voter.settle(sharded.hint),
         )
         sharded.units.register([module for module, _ in units])
     return sharded

@@ -86,14 +86,21 @@ class ShardedExchange(Exchange):
         except VoteMismatchError as error:
             if self.units is None:
                 raise
-            raise VoteMismatchError(
-                f"{error}. The vote during backward takes FSDP units in the order they close (tag: step x "
-                f"{units + 1} + unit + 1; + 0 for what no unit reduced, voted in step()), which must be the same on "
-                "every node; where data-dependent control flow changes it, pass during_backward=False to "
-                "register_fsdp_vote"
-            ) from error
+            raise VoteMismatchError(f"{error}{self.hint}") from error
         self.skipped |= self.voter.stats.skipped != skipped
         self.results.update(zip([p for _, p, _ in done.voted + done.averaged], done.signs + done.means))
+
+    @property
+    def hint(self) -> str:
+        """What a mismatch during backward says to do."""
+        if self.units is None:
+            return ""
+        return (
+            f". The vote during backward takes FSDP units in the order they close (tag: step x "
+            f"{len(self.units.units) + 1} + unit + 1; + 0 for what no unit reduced, voted in step()), which must be "
+            "the same on every node; where data-dependent control flow changes it, pass during_backward=False to "
+            "register_fsdp_vote"
+        )
 
     def exchange(self, optimizer: SignVoteOptimizer, params: list[torch.Tensor], name: str) -> Exchanged:
         """For ``optimizer.step()``: (voted, this rank's shard of each voted update, averaged,
@@ -104,6 +111,7 @@ class ShardedExchange(Exchange):
         left = [p for p in params if p not in self.results]
         if left:
             self.vote(optimizer, left, name)
+        self.voter.settle(self.hint)  # a mismatch on one rail stops every rank here, not at the next collective
         voted, averaged = optimizer.split_by_path(params)
         signs = [self.results[p] for _, p, _ in voted]
         if self.skipped:

@@ -67,6 +67,7 @@ class UnitVotes:
         vote: votes unit i's parameters from the given gradients (None: no gradient), on the
             worker thread: ``vote(i, params, grads)``.
         device: where the gradients live.
+        settle: at the end of each backward that voted, raises a mismatch any rank deferred, on every rank.
     """
 
     def __init__(
@@ -75,8 +76,9 @@ class UnitVotes:
         ranks_per_node: int,
         vote: Callable[[int, list[torch.Tensor], list[torch.Tensor | None]], None],
         device: torch.device,
+        settle: Callable[[], None] = lambda: None,
     ) -> None:
-        self.units, self.vote, self.device = units, vote, device
+        self.units, self.vote, self.device, self.settle = units, vote, device, settle
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="signmuon-fsdp-vote")
         self.running: list[Future] = []
         self.failed = False
@@ -175,6 +177,11 @@ class UnitVotes:
         errors = [f.exception() for f in running]
         self.failed = False
         error = next((e for e in errors if e is not None), None)
+        if running:  # the worker is idle now: its node group is free for the one collective of settle
+            try:
+                self.settle()
+            except VoteMismatchError as mismatch:
+                error = error or mismatch
         if error is not None:
             raise error
         for f in running:

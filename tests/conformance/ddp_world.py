@@ -62,6 +62,8 @@ class Config:
     added_later: bool = False
     per_node: int = 0
     join: bool = False
+    sync_every_micro: bool = False
+    """Every micro-batch's backward syncs (a second backward before ``step()``, no ``no_sync``)."""
 
     @property
     def vote(self) -> VoteConfig:
@@ -158,7 +160,7 @@ def train(rank: int, world_size: int, config: Config) -> list[torch.Tensor]:
             opt.zero_grad()
             for micro in range(config.micro):
                 last = micro == config.micro - 1
-                with _nothing() if last or config.in_step else model.no_sync():
+                with _nothing() if last or config.in_step or config.sync_every_micro else model.no_sync():
                     backward(model, rank, step, micro, use_extra)
             if config.clip:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), config.clip)

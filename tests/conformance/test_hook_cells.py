@@ -9,9 +9,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignumMV
 
-from . import scaler_world
+from . import fsdp_world, scaler_world
 from .cells import Cell, check_cells
-from .ddp_world import ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
+from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
+from .ddp_world import _optimizer as _ddp_optimizer
 
 HOOKED = ("hook-signsgd", "hook-signum", "SignumMV", "SignSGDMV", "SignMuon")
 IN_STEP = ("SignumMV-in-step", "SignMuon-in-step")
@@ -138,11 +139,11 @@ def overflow_cells() -> list[Cell]:
 
 
 def test_hooks_and_optimizers_on_two_ranks():
-    check_cells(two_rank_cells() + overflow_cells(), 2)
+    check_cells(two_rank_cells() + overflow_cells() + handed_cells(), 2)
 
 
-def test_who_votes_on_four_ranks():
-    check_cells(four_rank_cells(), 4)
+def test_who_votes_on_four_ranks():  # and the FSDP2 cells, 2 nodes x 2, in the same process group
+    check_cells(four_rank_cells() + fsdp_cells(), 4)
 
 
 # --- refusals that name the remedy ------------------------------------------------------------
@@ -247,3 +248,190 @@ def refusal_cells() -> list[Cell]:
 
 def test_refusals_name_the_remedy():
     check_cells(refusal_cells(), 2)
+
+
+# --- FSDP2: shards inside nodes of 2, the vote between them (4 ranks) --------------------------
+
+
+def _fsdp_cell(klass: str, case: str, config: Config, run=None, atol=0.0, **options) -> Cell:
+    atol = 1e-6 if config.entry == "SignMuon" else atol
+    run = run or partial(fsdp_world.train, config=config, **options)
+    return Cell(fsdp_world.ENTRIES[config.entry], klass, case, run, partial(simulate, config), atol=atol, per_rank=True)
+
+
+def _fsdp_refusal(entry: str, klass: str, case: str, run, refusal: str, bind: bool = True) -> Cell:
+    return Cell(fsdp_world.ENTRIES[entry], klass, case, partial(run, entry=entry) if bind else run, refusal=refusal)
+
+
+def fsdp_cells() -> list[Cell]:
+    cells = []
+    for entry in fsdp_world.ENTRIES:
+        nodes = Config(entry, (3,) * 4, per_node=2)
+        cells += [
+            _fsdp_cell("who votes", "2 nodes x 2: the node means voted between nodes", nodes),
+            _fsdp_refusal(
+                entry,
+                "who votes",
+                "a process_group given to the optimizer besides the mesh: refused on every rank",
+                fsdp_world.given_group,
+                "process_group",
+            ),
+            _fsdp_refusal(
+                entry,
+                "who votes",
+                "VoteConfig(ranks_per_node=4) on a mesh of 2 per node: refused on every rank",
+                fsdp_world.other_node_size,
+                "but the mesh has 2 ranks per node",
+            ),
+            _fsdp_refusal(
+                entry,
+                "who has a gradient",
+                "a head unused on node 1 (its unit never closes there), voted during backward: refused on every rank",
+                partial(fsdp_world.train, config=Config(entry, (3,) * 4, unused_on=(2, 3), per_node=2)),
+                "pass during_backward=False",
+                bind=False,
+            ),
+            _fsdp_cell(
+                "who has a gradient",
+                "a head unused on node 1, voted in step(): that node abstains",
+                Config(entry, (3,) * 4, unused_on=(2, 3), per_node=2),
+                during_backward=False,
+            ),
+            _fsdp_cell(
+                "who has a gradient",
+                "a frozen head (requires_grad=False, left out of the optimizer): it stays put",
+                Config(entry, (3,) * 4, unused_on=(0, 1, 2, 3), per_node=2),
+                frozen=True,
+            ),
+            _fsdp_cell(
+                "what the hook is handed",
+                "2 micro-batches under set_requires_gradient_sync(False)",
+                Config(entry, (3,) * 4, micro=2, per_node=2),
+            ),
+            _fsdp_refusal(
+                entry,
+                "what the hook is handed",
+                "a second backward before step() without set_requires_gradient_sync(False)",
+                partial(fsdp_world.second_backward, during_backward=True),
+                "set_requires_gradient_sync(False)",
+            ),
+            _fsdp_cell(
+                "whose state comes back",
+                "DCP save after 2 of 4 steps, a fresh model and optimizer load: each node's momentum",
+                Config(entry, (4,) * 4, per_node=2),
+                run=partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2)),
+            ),
+            _fsdp_refusal(
+                entry,
+                "ranks out of step",
+                "rank 3 a step ahead, voted during backward: refused on every rank",
+                partial(fsdp_world.a_step_ahead, during_backward=True),
+                "VoteMismatchError",
+            ),
+        ]
+    cells.append(
+        _fsdp_cell(
+            "what the hook is handed",
+            "2 backwards per step, both reduced, voted in step(): the accumulated node means (rounding apart)",
+            Config("SignumMV", (3,) * 4, micro=2, per_node=2),
+            atol=1e-6,  # a flipped sign moves an entry by 2 lr
+            during_backward=False,
+            sync_all=True,
+        )
+    )
+    cells.append(
+        _fsdp_refusal(
+            "SignumMV",
+            "ranks out of step",
+            "rank 3 a step ahead, voted in step(): refused on every rank",
+            partial(fsdp_world.a_step_ahead, during_backward=False),
+            "VoteMismatchError",
+        )
+    )
+    return cells
+
+
+# --- what DDP hands the hook: a second backward, the Python reducer, requires_grad toggled ------
+
+
+def _hooked(entry: str, net: Net, model: DDP):
+    """The entry's hook on ``model`` and the optimizer that applies it."""
+    config = Config(entry)
+    if entry.startswith("hook-"):
+        momentum = BETA if entry == "hook-signum" else 0.0
+        model.register_comm_hook(SignVoteState(momentum=momentum, start_iter=config.warmup, vote=EXACT), sign_vote_hook)
+        return torch.optim.SGD(net.parameters(), lr=LR)
+    opt = _ddp_optimizer(config, net, None)
+    opt.register_comm_hook(model)
+    return opt
+
+
+def _python_reducer(rank: int, world_size: int, entry: str):
+    """DDP built under ``optimize_ddp="python_reducer"`` (what compiled autograd's DDP uses): its
+    per-parameter hooks call the comm hook with ``(grad, param)`` and drop what it returns."""
+    import torch._dynamo
+
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        net = Net()
+        model = DDP(net)
+        opt = _hooked(entry, net, model)
+        for step in range(2):
+            opt.zero_grad()
+            backward(model, rank, step, 0, True)
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        torch._dynamo.config.optimize_ddp = before
+
+
+def _unfrozen_later(rank: int, world_size: int, entry: str):
+    """The head frozen when DDP is built, unfrozen after the first step: DDP never reduces it."""
+    net = Net()
+    net.extra.requires_grad_(False)
+    model = DDP(net)
+    opt = _hooked(entry, net, model)
+    for step in range(3):
+        if step == 1:
+            net.extra.requires_grad_(True)
+        opt.zero_grad()
+        backward(model, rank, step, 0, True)
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def handed_cells() -> list[Cell]:
+    """The bare hook is left out of the second-backward and unfrozen cells: it cannot tell a second
+    backward from the next step, and DDP itself never reduces a parameter unfrozen after it was built."""
+    cells = []
+    for entry in ("SignumMV", "SignSGDMV"):  # SignMuon's: refusal_cells
+        cells.append(
+            _cell(
+                "what the hook is handed",
+                "a second backward before step() without no_sync",
+                Config(entry, (3, 3), micro=2, sync_every_micro=True),
+                refusal="accumulate micro-batches with their forward and backward under ddp_model.no_sync()",
+            )
+        )
+    for entry in HOOKED:
+        cells.append(
+            Cell(
+                ENTRIES[entry],
+                "what the hook is handed",
+                "compiled autograd's per-parameter Python reducer (optimize_ddp='python_reducer')",
+                partial(_python_reducer, entry=entry),
+                refusal="optimize_ddp left at its default",
+            )
+        )
+    for entry in HOOKED[2:]:
+        cells.append(
+            Cell(
+                ENTRIES[entry],
+                "who has a gradient",
+                "a head frozen when DDP is built, unfrozen after step 1: refused naming requires_grad",
+                partial(_unfrozen_later, entry=entry),
+                refusal="Set requires_grad before building DDP",
+            )
+        )
+    return cells

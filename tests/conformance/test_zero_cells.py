@@ -14,6 +14,7 @@ import torch.distributed as dist
 from signmuon.integrations.deepspeed import initialize
 from tests.zero_world import ds_config, node_reference, train_engine, zero_model
 
+from . import ddp_world
 from .cells import Cell, check_cells
 
 WORLD = 4
@@ -192,5 +193,115 @@ def muon_cells() -> list[Cell]:
     return cells
 
 
-def test_zero_cells():
-    check_cells(zero_cells(), WORLD, timeout=600)
+def test_zero_cells():  # and stage 0's cells, in the same process group (DeepSpeed's init is paid once)
+    check_cells(zero_cells() + stage0_cells(), WORLD, timeout=600)
+
+
+# --- ZeRO stage 0: the flat vote over DeepSpeed's data-parallel group, in the same spawn -------
+
+
+def _stage0_config(name: str, gas: int = 1, **params) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 5,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": name, "params": {"lr": ddp_world.LR, "momentum": ddp_world.BETA, **params}},
+        "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
+        "vote": {"tie": "exact"},
+    }
+
+
+def _stage0_steps(engine, rank, config: ddp_world.Config, start: int, stop: int) -> None:
+    use_extra = rank not in config.unused_on
+    for step in range(start, stop):
+        for micro in range(config.micro):
+            x, y = ddp_world.batch(rank, step, micro)
+            engine.backward(torch.nn.functional.cross_entropy(engine(x, use_extra), y))
+            engine.step()
+
+
+def stage0_trained(rank, world_size, config, overlap=True, frozen=False, resume_at=0, ahead=False):
+    """``config`` through a stage-0 engine; with ``resume_at``, saved there and loaded into a fresh engine."""
+    torch.set_num_threads(1)
+    net = ddp_world.Net()
+    if frozen:
+        net.extra.requires_grad_(False)
+    ds = _stage0_config(config.entry, config.micro)
+    engine, optimizer, _, _ = initialize(model=net, config=ds, overlap_backward=overlap)
+    if ahead and rank == 3:
+        optimizer.steps_taken = 1  # as after loading another step's files on one rank
+    steps = config.steps[rank]
+    if not resume_at:
+        _stage0_steps(engine, rank, config, 0, steps)
+        return [p.detach().clone() for p in net.parameters()]
+    folder = _folder()
+    try:
+        _stage0_steps(engine, rank, config, 0, resume_at)
+        engine.save_checkpoint(folder, tag="t")
+        net = ddp_world.Net()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)  # another start: everything must come from the checkpoint
+        engine, _, _, _ = initialize(model=net, config=ds, overlap_backward=overlap)
+        engine.load_checkpoint(folder, tag="t")
+        _stage0_steps(engine, rank, config, resume_at, steps)
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        _done(folder)
+
+
+def stage0_group_given(rank, world_size, name):
+    ds = _stage0_config(name)
+    ds["optimizer"]["params"]["process_group"] = None
+    initialize(model=ddp_world.Net(), config=ds)
+
+
+def stage0_cells() -> list[Cell]:
+    cells = []
+    for name in ("SignumMV", "SignMuon"):
+        entry, atol = _entry(0, name), (MUON_ATOL if name == "SignMuon" else 0.0)
+
+        def cell(klass, case, config, **options):
+            run = partial(stage0_trained, config=config, **options)
+            return Cell(entry, klass, case, run, partial(ddp_world.simulate, config), atol=atol, per_rank=True)
+
+        flat = ddp_world.Config(name, (3,) * WORLD)
+        unused = ddp_world.Config(name, (3,) * WORLD, unused_on=(1,))
+        cells += [
+            cell("who votes", "4 ranks, the vote overlapped with backward: DeepSpeed's data-parallel group", flat),
+            cell("who votes", "4 ranks, overlap_backward=False: the vote in step()", flat, overlap=False),
+            Cell(
+                entry,
+                "who votes",
+                "process_group in the config's optimizer params: refused (the engine's group votes)",
+                partial(stage0_group_given, name=name),
+                refusal="process_group",
+            ),
+            cell("who has a gradient", "a head unused on rank 1, overlapped: rank 1 abstains on it", unused),
+            cell("who has a gradient", "a head unused on rank 1, vote in step(): it abstains", unused, overlap=False),
+            cell(
+                "who has a gradient",
+                "a frozen head (requires_grad=False before initialize): it stays put",
+                ddp_world.Config(name, (3,) * WORLD, unused_on=tuple(range(WORLD))),
+                frozen=True,
+            ),
+            cell(
+                "what the hook is handed",
+                "gradient_accumulation_steps=2: voted once, at the boundary",
+                ddp_world.Config(name, (3,) * WORLD, micro=2),
+            ),
+            cell(
+                "whose state comes back",
+                "save_checkpoint after 2 of 4 steps, a fresh engine loads: each rank its own momentum",
+                ddp_world.Config(name, (4,) * WORLD),
+                resume_at=2,
+            ),
+            Cell(
+                entry,
+                "ranks out of step",
+                "rank 3 a step ahead of the others: refused on every rank",
+                partial(stage0_trained, config=flat, ahead=True),
+                refusal="VoteMismatchError",
+            ),
+        ]
+    return cells
