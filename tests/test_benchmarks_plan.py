@@ -396,3 +396,27 @@ def test_plan_choice_predicts_every_method_a_user_could_pick(tmp_path):
     for bad in (["--choice", "--projection"], ["--choice", "--plot", "x.png"], ["--choice", "--bucket-mb", "10"]):
         with pytest.raises(SystemExit):
             plan.main(bad)
+
+
+def test_plan_predicts_the_share_of_a_streaming_round_hidden_behind_tau_steps():
+    """A fragment's round (1/F of a whole round, every H/F steps) hides min(1, τ·compute / its
+    wire time); the step loses exactly that share of the round's per-step seconds."""
+    from signmuon.benchmarks.cost.model import Cluster, Workload, predict
+
+    cluster = Cluster(2, 2, 10e6)  # 10 Mbit/s between 2 nodes x 2
+    base = Workload(params=3_000_000, compute_s=0.05, period=32)
+
+    def at(**kw):
+        return predict("diloco_vote_node", cluster, dataclasses.replace(base, **kw))
+
+    no_round = at(period=10**9)["exposed_comm_s"]
+    whole = at()
+    assert whole["round_hidden_share"] == 0.0  # τ = 0: the round after the step
+    round_s = whole["exposed_comm_s"] - no_round  # a round's seconds per step
+    for fragments, delay in ((1, 1), (4, 1), (4, 2), (8, 3)):
+        streamed = at(fragments=fragments, sync_delay=delay)
+        share = min(1.0, delay * base.compute_s / (round_s * base.period / fragments))
+        assert streamed["round_hidden_share"] == pytest.approx(share)
+        assert whole["exposed_comm_s"] - streamed["exposed_comm_s"] == pytest.approx(share * round_s)
+    assert 0.0 < at(fragments=1, sync_delay=1)["round_hidden_share"] < 1.0  # a partial share, checked above
+    assert at(fragments=8, sync_delay=3)["round_hidden_share"] == 1.0

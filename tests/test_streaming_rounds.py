@@ -3,6 +3,7 @@ through its own Manager, step for step, and one-bit streaming rounds against a s
 reference; DiLoCo without fragments is the first of the configurations. Each side runs every
 configuration in one spawn."""
 
+import copy
 import functools
 import os
 import re
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from signmuon.comm_hooks import VoteConfig
+from signmuon.comm_hooks.dist import VoteMismatchError
 from signmuon.optim import LocalStepAverager, OuterStep
 from signmuon.optim.rounds.streaming import fragment_due, split_by_bytes
 from tests.harness import (
@@ -167,18 +169,66 @@ def _overlapped(rank, out_dir):
     return in_flight, stats.round_seconds, stats.round_wait_seconds
 
 
+RESUMED = (H, STEPS, 2, 1, 0.5)  # saved after step 5, its fragment 0's round in flight
+
+
+def _resumed(rank):
+    """RESUMED's run saved (model, inner optimizer, averager) with a round in flight, after
+    consensus_state_dict there, and continued by a fresh model and averager loaded from it."""
+    period, steps, count, delay, alpha = RESUMED
+    model, inner, averager = _averager(period, count, delay, alpha)
+    history = []
+    for step in range(steps):
+        if step == 5:
+            assert averager.fragments[0].in_flight is not None
+            consensus = averager.consensus_state_dict(model)
+            saved = copy.deepcopy((model.state_dict(), inner.state_dict(), averager.state_dict()))
+            model, inner, averager = _averager(period, count, delay, alpha)
+            model.load_state_dict(saved[0])
+            inner.load_state_dict(saved[1])
+            averager.load_state_dict(saved[2])
+        inner.zero_grad()
+        rounds_loss(model, rounds_batch(rank, step)).backward()
+        inner.step()
+        averager.average_parameters(model.parameters())
+        history.append(flat_params(model).clone())
+    return history, torch.cat([t.reshape(-1) for t in consensus.values()])
+
+
+def _out_of_step(rank):
+    """Both ranks take fragment 0's round after step 5; rank 0, its round still in flight, asks
+    for consensus_state_dict while rank 1 goes on to land it: raised on both, by name (rank 1
+    in its landing), not a collective of mismatched sizes."""
+    model, inner, averager = _averager(H, 2, 1, 0.0)
+    in_flight = None
+    try:
+        for step in range(6):
+            if rank == 0 and step == 5:
+                in_flight = averager.fragments[0].in_flight is not None
+                averager.consensus_state_dict(model)
+            inner.zero_grad()
+            rounds_loss(model, rounds_batch(rank, step)).backward()
+            inner.step()
+            averager.average_parameters(model.parameters())
+    except VoteMismatchError as error:
+        return in_flight, str(error)
+    return in_flight, None
+
+
 def _ours_worker(rank, world_size, out_dir):
     runs = [_run(rank, *config) for config in FP32]
     one_bit = [
         _run(rank, H, STEPS, count, delay, alpha, rule, block)[0] for rule, block, count, delay, alpha in ONE_BIT
     ]
-    waits = [(stats.round_seconds, stats.round_wait_seconds) for _, _, stats in runs]
+    waits = [(stats.round_seconds, stats.round_wait_seconds, stats.round_steps_hidden) for _, _, stats in runs]
     return (
         [history for history, _, _ in runs],
         one_bit,
         [in_flight for _, in_flight, _ in runs],
         waits,
         _overlapped(rank, out_dir),
+        _resumed(rank),
+        _out_of_step(rank),
     )
 
 
@@ -359,8 +409,8 @@ def _streaming_checks(ours):
     """What the spawn of ours saw besides the parameters: which fragment was in flight after each
     step, the rounds' seconds, and a collective that outlasted the step after it was issued."""
     for replica in range(2):
-        _, _, in_flight, waits, (overlapped, seconds, waited) = ours[replica]
-        for (period, steps, count, delay, _), flights, (total, exposed) in zip(FP32, in_flight, waits):
+        _, _, in_flight, waits, (overlapped, seconds, waited), _, _ = ours[replica]
+        for (period, steps, count, delay, _), flights, (total, exposed, hidden) in zip(FP32, in_flight, waits):
             every = period // count
             expected = [
                 [((k + delay) // every - 1) % count] if delay and (k % every) >= every - delay else []
@@ -368,7 +418,19 @@ def _streaming_checks(ours):
             ]
             assert flights == expected, (period, count, delay)
             assert total > 0.0 and exposed >= 0.0
+            assert hidden == delay * (steps // every)  # τ steps computed behind each round's combine
             if delay == 0:
                 assert exposed == total  # a round that lands where it is taken waits for all of it
         assert overlapped[4] == [0] and overlapped[5] == []  # taken after step 5 of 6, landed after 6
         assert seconds > 0.0 and 0.0 <= waited
+    # Saved and resumed with a round in flight: the same steps, bit for bit; the consensus
+    # there is the last landed one, the same on both ranks.
+    uninterrupted = ours[0][0][FP32.index(RESUMED)], ours[1][0][FP32.index(RESUMED)]
+    for replica in range(2):
+        history, consensus = ours[replica][5]
+        assert all(torch.equal(a, b) for a, b in zip(history, uninterrupted[replica])), replica
+        assert torch.equal(consensus, ours[0][5][1])
+        in_flight, raised = ours[replica][6]
+        assert raised is not None and "steps=5" in raised and "steps=6" in raised, raised
+        assert "call=consensus_state_dict" in raised and "call=a local-step round" in raised, raised
+        assert in_flight == (True if replica == 0 else None)

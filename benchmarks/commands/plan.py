@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="bits per entry of a one-bit round between nodes (diloco_vote_node; 1.17 with 8-bit "
         "scales per 64 entries on 2 nodes)",
     )
+    parser.add_argument("--fragments", type=positive_int, default=1, help="F: streaming rounds' fragments (diloco_*)")
+    parser.add_argument("--sync-delay", type=int, default=0, help="τ: steps a streaming round travels behind")
     parser.add_argument(
         "--no-overlap",
         action="store_true",
@@ -314,6 +316,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.round_bits,
             overlap=not args.no_overlap,
             backward_share=args.backward_share,
+            fragments=args.fragments,
+            sync_delay=args.sync_delay,
             **(
                 {}
                 if args.bucket_mb is None

@@ -31,7 +31,8 @@ max(C − T_b·(1 − 1/B), C/B) after backward: backward hides (1 − 1/B)·min
 whole: an upper bound. Never hidden: the node-aware
 votes' gather of voted slices inside the node (a blocking collective the compute waits for;
 their node all-reduce and rail vote are pipelined across buckets like DDP's own), and a
-rounds method's round, which runs after the step.
+rounds method's round, which runs after the step (a streaming round, ``sync_delay`` τ ≥ 1: the
+share ``round_hidden_share`` of it runs behind the next τ steps' compute).
 
 The vote's bytes are the dense formula (one bit per entry); exact zeros (``zeros="abstain"``
 on ReLU networks) add up to a bit per entry, which ``zero_bits`` accounts for, and where they
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 
 from signmuon.benchmarks.methods.registry import builder, names_for
 
-__all__ = ["Cluster", "Workload", "compute_for", "crossover", "predict", "parse_rate"]
+__all__ = ["Cluster", "Workload", "compute_for", "crossover", "predict", "parse_rate", "round_hidden_share"]
 
 
 def parse_rate(text: str) -> float:
@@ -130,6 +131,11 @@ class Workload:
     is left at its default (``dist._DEFAULT_FIRST_BUCKET_BYTES``), else ``bucket_bytes``."""
     extra: dict = field(default_factory=dict)
     """Free-form notes carried to the report."""
+    fragments: int = 1
+    """F, streaming rounds' fragments (``diloco_*``): a round of 1/F of the model every H/F steps."""
+    sync_delay: int = 0
+    """τ, the inner steps a streaming round travels behind: it hides min(1, τ·compute / its wire
+    time) of the round (``round_hidden_share``); 0: the round after the step, nothing hidden."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.backward_share <= 1.0:
@@ -164,8 +170,10 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
     bucketed_s = _link_seconds(cluster, between, inside, rounds, rounds_in)
     blocking_s = _link_seconds(cluster, *blocking)
     hidden = workload.hidden_seconds(bucketed_s)
-    exposed = bucketed_s - hidden + blocking_s
+    share = round_hidden_share(blocking_s, workload) if method.startswith("diloco") else 0.0
+    exposed = bucketed_s - hidden + blocking_s * (1.0 - share)
     return {
+        "round_hidden_share": share,
         "between_bytes_per_node": between + blocking[0],
         "inside_bytes_per_rank": inside + blocking[1],
         "comm_s": bucketed_s + blocking_s,
@@ -173,6 +181,16 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
         "extra_s": extra_s,
         "step_s": workload.compute_s + exposed + extra_s,
     }
+
+
+def round_hidden_share(round_s_per_step: float, workload: Workload) -> float:
+    """The share of a streaming round's wire time the next τ inner steps hide: a fragment's round
+    (1/F of the model; per step ``round_s_per_step``, whole rounds every H steps) takes
+    ``round_s_per_step``·H/F and runs on its own thread beside τ steps of compute."""
+    if workload.sync_delay <= 0 or round_s_per_step <= 0.0:
+        return 0.0
+    wire = round_s_per_step * workload.period / workload.fragments
+    return min(1.0, workload.sync_delay * workload.compute_s / wire)
 
 
 def _link_seconds(cluster: Cluster, between: float, inside: float, rounds: float, rounds_in: float) -> float:

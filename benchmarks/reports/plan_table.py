@@ -66,3 +66,11 @@ def print_plan(rows: list[dict], cluster: Cluster, workload: Workload) -> None:
             f"bytes spread over them; one-bit rounds at {workload.round_bits:g} bits per entry (--round-bits). Time "
             "per step only: how many more steps rounds need to reach a loss is not modelled (measure it: train)"
         )
+    if workload.sync_delay:
+        shares = ", ".join(
+            f"{r['method']} {r['round_hidden_share']:.0%}" for r in rows if r["method"].startswith("diloco")
+        )
+        print(
+            f"streaming rounds (F={workload.fragments}, τ={workload.sync_delay}): share of a fragment's round "
+            f"hidden behind the next τ steps: {shares}"
+        )

@@ -28,11 +28,15 @@ class CommStats:
     the training thread waited for when the round landed. A round that lands where it is taken
     waits for all of it; a streaming round (``sync_delay`` τ > 0) combines on its own thread
     during the next τ steps, and :attr:`round_hidden_share` is the share that training hid.
+    ``round_steps_hidden`` counts the inner steps computed between a round's issue and its wait
+    (τ a streamed round, 0 one that lands where it is taken): counted, not timed, so it reads
+    nothing of the round's thread.
     """
 
     _FIELDS = (
         "calls", "bytes_sent", "bytes_received", "skipped", "bytes_sent_inside_node", "bytes_received_inside_node",
         "pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds", "round_seconds", "round_wait_seconds",
+        "round_steps_hidden",
     )
     __slots__ = (*(name for name in _FIELDS if name != "skipped"), "_skipped", "_skips_on_device")
     _SECONDS = ("pack_seconds", "vote_seconds", "unpack_seconds", "wait_seconds", "round_seconds", "round_wait_seconds")
@@ -51,6 +55,7 @@ class CommStats:
         self.wait_seconds = 0.0
         self.round_seconds = 0.0
         self.round_wait_seconds = 0.0
+        self.round_steps_hidden = 0
 
     @property
     def skipped(self) -> int:

@@ -32,6 +32,8 @@ class SavedRounds:
         steps). The workers' own parameters are left untouched, and ``stats`` does not count
         this (evaluation traffic, not training)."""
         self._check_settings()
+        if self.sync_delay and self.layout is None and self._streaming_group is None:
+            self._settle()  # its combine runs on the rounds' own group: done before another collective
         params = trained(module)
         if self.outer is not None and [id(p) for p in params] != [id(p) for p in trained(self.module)]:
             raise ValueError(
@@ -47,11 +49,20 @@ class SavedRounds:
             settings=settings_digest(averager_settings(self)),
             restored_without_consensus=self._restored_without_consensus,
         )
+        self._settle()  # every rank is at this step: every rank issued what is in flight
         wholes = [(part.params, part.consensus.whole()) for part in self.fragments]
         return consensus_state(module, wholes, self.process_group)
 
+    def _settle(self) -> None:
+        """Wait for the rounds in flight; each keeps its result until it lands, as it would."""
+        for part in self.fragments:
+            part.settle(self.stats)
+
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, settings and statistics (what a resumed run needs to continue)."""
+        """Step counter, settings and statistics (what a resumed run needs to continue). A
+        fragment's round in flight is waited for and saved combined (the same on every rank),
+        so a run resumed from a save between its issue and its landing lands it as it would."""
+        self._settle()
         return {
             "step": self.step,
             "rounds": self.rounds,
@@ -67,6 +78,8 @@ class SavedRounds:
             "sync_delay": self.sync_delay,
             "update_alpha": self.update_alpha,
             "consensus": _consensus_states(self.fragments),
+            "landing": [None if p.combined is None else [t.clone() for t in p.combined] for p in self.fragments],
+            "landing_skipped": [p.skipped for p in self.fragments],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -88,8 +101,14 @@ class SavedRounds:
         self.mean_distance = float(state["mean_distance"])
         self.max_distance = float(state["max_distance"])
         self.stats.load_state_dict(state["stats"])
-        for part, saved_part in zip(self.fragments, consensus):
+        self._settle()  # a round of the run given up: not landed here
+        landing = state.get("landing") or [None] * len(self.fragments)
+        skipped = state.get("landing_skipped") or [False] * len(self.fragments)
+        for part, saved_part, combined, skip in zip(self.fragments, consensus, landing, skipped):
             part.consensus.load_state_dict(saved_part)
+            device = part.params[0].device
+            part.combined = None if combined is None else [t.to(device, copy=True) for t in combined]
+            part.skipped = bool(skip)
         if self.outer is not None:
             self._consensus_checked = False
             self._consensus_loaded, self._restored_without_consensus = True, False

@@ -26,7 +26,7 @@ from signmuon.comm_hooks.dist import (
 
 from .aliases import refuse_shared_memory
 from .checkpoints import SavedRounds
-from .consensus import Consensus, check_shards, round_flags
+from .consensus import CALLS, Consensus, agree_on_call, check_shards, round_flags
 from .dppf import pull_push, worker_distances
 from .members import all_params, by_dtype_and_device, first_names, in_module_order, local_groups, trained
 from .outer_step import OuterStep
@@ -221,6 +221,7 @@ class LocalStepAverager(SavedRounds, ModelAverager):
     def _outer_rounds(self, params: list[torch.Tensor]) -> None:
         """Take (pseudo-gradient and collective) and land (outer step, pull) the fragments' rounds due now."""
         k = self.step - self.warmup_steps + 1  # local steps since the warm-up, this one included
+        self.stats.round_steps_hidden += sum(part.in_flight is not None for part in self.fragments)
         taken, lands = fragment_due(k, self.period, len(self.fragments), self.sync_delay) if k > 0 else (None, None)
         if taken is not None:
             refuse_shared_memory(params, first_names(self.module))
@@ -294,6 +295,10 @@ class LocalStepAverager(SavedRounds, ModelAverager):
     def _land(self, part: Fragment) -> None:
         """A fragment's round, landed: the outer step, then each worker toward the new consensus."""
         part.settle(self.stats)
+        if self.sync_delay and not dist._rank_not_in_group(self.process_group):
+            # taken τ steps ago: its landing's collectives (distances, buffers) are checked again
+            settings = settings_digest(averager_settings(self))
+            agree_on_call(CALLS[0], self.step + 1, part.params, self.process_group, self.stats, settings=settings)
         if part.skipped or dist._rank_not_in_group(self.process_group):
             part.skipped = False
             return

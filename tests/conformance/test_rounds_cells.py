@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.comm_hooks import node_layout
 from signmuon.optim import LocalStepAverager, OuterStep, local_sgd
+from signmuon.optim.rounds.streaming import split_by_bytes
 
 from .cells import Cell, check_cells
 
@@ -108,6 +109,7 @@ class Run:
         grouped: the averager gets the optimizer's groups, out of module order.
         model: "tied" (:class:`TiedNet`) or "gpt2".
         ahead: ranks that take one step more before ``consensus_state_dict``.
+        fragments, delay, alpha, period: streaming rounds (F, τ, α; ``period`` each fragment's).
     """
 
     outer: bool = True
@@ -123,6 +125,10 @@ class Run:
     grouped: bool = False
     model: str = "tied"
     ahead: tuple[int, ...] = ()
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    period: int = PERIOD
 
 
 # --- on every rank of the spawn -------------------------------------------------------------------
@@ -132,13 +138,16 @@ def _build(run: Run, layout):
     model = _model(run.model)
     net = DDP(model) if run.ddp else model  # DDP first: its constructor copies rank 0's parameters
     averager = LocalStepAverager(
-        period=PERIOD,
+        period=run.period,
         warmup_steps=run.warmup,
         pull=run.pull,
         push=run.push,
         outer=OuterStep.diloco() if run.outer else None,
         module=model,
         layout=layout,
+        fragments=run.fragments,
+        sync_delay=run.delay,
+        update_alpha=run.alpha,
     )
     inner = _inner(model, run.grouped)
     opt = local_sgd(net, inner, averager) if run.ddp else inner
@@ -215,8 +224,8 @@ def _is_round(run: Run, step: int) -> bool:
     if step < run.warmup:
         return False
     if run.outer:  # DiLoCo's: after every `period` local steps
-        return (step - run.warmup + 1) % PERIOD == 0
-    return (step - run.warmup) % PERIOD == 0  # torch's: right after the warm-up, then every period
+        return (step - run.warmup + 1) % run.period == 0
+    return (step - run.warmup) % run.period == 0  # torch's: right after the warm-up, then every period
 
 
 @torch.no_grad()
@@ -234,7 +243,10 @@ def _simulate(run: Run, world_size: int) -> list[dict]:
     inners = [_inner(m, run.grouped) for m in models]
     params = [list(m.parameters()) for m in models]  # torch lists a tied weight once
     consensus = [p.detach().clone() for p in params[0]]
-    outer = torch.optim.SGD(consensus, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    # streaming DiLoCo as published: fragments of consecutive tensors, each its own outer step
+    runs = split_by_bytes([c.numel() * c.element_size() for c in consensus], run.fragments)
+    outers = [torch.optim.SGD(consensus[a:b], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for a, b in runs]
+    every = run.period // run.fragments
     for step in range(run.steps):
         for w, (m, inner) in enumerate(zip(models, inners)):
             inner.zero_grad()
@@ -254,15 +266,21 @@ def _simulate(run: Run, world_size: int) -> list[dict]:
             if run.outer and step == run.warmup - 1:  # the workers are equal at the end of the warm-up
                 for c, p in zip(consensus, params[0]):
                     c.copy_(p)
-            if not _is_round(run, step):
+            k = step - run.warmup + 1  # local steps since the warm-up
+            if run.outer and k > 0 and (k + run.delay) % every == 0:  # taken τ steps before it lands
+                a, b = runs[((k + run.delay) // every - 1) % run.fragments]
+                for i in range(a, b):
+                    consensus[i].grad = sum(consensus[i] - ps[i] for ps in params) / workers
+            if not _is_round(run, step) if not run.outer else not (k > 0 and k % every == 0):
                 continue
             if run.outer:
-                for i, c in enumerate(consensus):
-                    c.grad = sum(c - ps[i] for ps in params) / workers
-                outer.step()
-                targets = consensus
-            else:
-                targets = [sum(ps[i] for ps in params) / workers for i in range(len(consensus))]
+                f = (k // every - 1) % run.fragments
+                a, b = runs[f]
+                outers[f].step()
+                for ps in params:
+                    _pull_push(ps[a:b], consensus[a:b], run.pull * (1 - run.alpha), run.push)
+                continue
+            targets = [sum(ps[i] for ps in params) / workers for i in range(len(consensus))]
             for ps in params:
                 _pull_push(ps, targets, run.pull, run.push)
     return [_expected(run, models, consensus, rank // per) for rank in range(world_size)]
@@ -312,6 +330,7 @@ HOLDS, GRADIENT, STATE, STEP = (
 
 def two_rank_cells() -> list[Cell]:
     dppf = dict(pull=0.6, push=0.02)
+    stream = dict(fragments=2, delay=1, alpha=0.5)
     return [
         _cell(AVERAGER, HOLDS, "tied embedding and head, DPPF around DiLoCo's consensus", Run(**dppf)),
         _cell(
@@ -376,6 +395,25 @@ def two_rank_cells() -> list[Cell]:
             "DiLoCo resumed from torch's PostLocalSGDOptimizer state (the step alone)",
             Run(ddp=True, warmup=2, steps=9, resume_after=5, torch_state=True),
             "restored without its consensus",
+        ),
+        _cell(
+            AVERAGER,
+            HOLDS,
+            "streaming DiLoCo (F=2, τ=1, α=0.5), tied embedding and head",
+            Run(period=4, steps=9, **stream),
+        ),
+        _cell(
+            AVERAGER,
+            STATE,
+            "streaming DiLoCo under local_sgd, warm-up 2, resumed after step 5 with a fragment's round in flight",
+            Run(ddp=True, warmup=2, period=4, steps=9, resume_after=4, **stream),
+        ),
+        _cell(
+            AVERAGER,
+            STEP,
+            "streaming DiLoCo, rank 1 lands a round a step ahead, rank 0 asks for the consensus with it in flight",
+            Run(period=4, steps=5, ahead=(1,), **stream),
+            "different call, steps, parameters, shapes (rank 0: call=consensus_state_dict, steps=5",
         ),
     ]
 
