@@ -83,9 +83,9 @@ def _engine_step(eng, x, y) -> Callable[[], None]:
     return step
 
 
-def zero(stage: int, optimizer: str) -> Callable[..., Step]:
+def zero(stage: int, optimizer: str, vote: dict | None = None) -> Callable[..., Step]:
     """signmuon's engine at ZeRO ``stage`` (1 or 2): ZeRO inside each node (``LOCAL_WORLD_SIZE``),
-    ``optimizer`` voting each rank's partition between nodes."""
+    ``optimizer`` voting each rank's partition between nodes (the config's ``"vote"`` section: ``vote``)."""
 
     def build(args) -> Step:
         from signmuon.integrations import deepspeed as sm_ds
@@ -96,6 +96,7 @@ def zero(stage: int, optimizer: str) -> Callable[..., Step]:
             "zero_optimization": {"stage": stage},
             "gradient_clipping": 0.0,
             "optimizer": {"type": optimizer, "params": {"lr": 1e-4}},
+            "vote": vote or {},
         }
         eng, zero_opt, _, _ = sm_ds.initialize(model=model, config=config)
         # SignMuon's partition step wraps the optimizer that holds the state and counts the bytes.

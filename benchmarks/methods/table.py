@@ -115,6 +115,10 @@ METHODS: dict[str, Method] = {
     "zero2_signum_mv": Method(
         "ZeRO-2 inside each node, SignumMV voted between nodes", {_DS: deepspeed.zero(2, "SignumMV")}
     ),
+    "zero2_signum_mv_coin": Method(
+        "zero2_signum_mv with zeros='coin' (one bit per entry, exact zeros too)",
+        {_DS: deepspeed.zero(2, "SignumMV", {"zeros": "coin"})},
+    ),
     "zero2_signmuon": Method(
         "ZeRO-2 inside each node, SignMuon voted between nodes", {_DS: deepspeed.zero(2, "SignMuon")}
     ),

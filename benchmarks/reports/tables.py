@@ -127,7 +127,7 @@ def step_table(reports: list[dict]) -> str:
 
 
 def zero_step_table(reports: list[dict], base: str = "zero2_adamw") -> str:
-    """``deepspeed-step`` under ``netem`` (one report per rate): the median step, its ratio to
+    """``deepspeed-step`` under ``netem`` (each file one report per rate): the median step, its ratio to
     ``base`` of the same run, the payload between nodes from the interfaces' counters (mean over
     nodes) and the largest rank's optimizer state in units of 4 bytes per parameter."""
     lines = [
@@ -135,7 +135,7 @@ def zero_step_table(reports: list[dict], base: str = "zero2_adamw") -> str:
         "| optimizer state / rank (× 4 B × params) |",
         "|---|---|---|---|---|---|",
     ]
-    for report in reports[0]["reports"]:
+    for report in [one for file in reports for one in file["reports"]]:
         rows = {r["method"]: r for r in report["rows"]}
         for method, r in rows.items():
             payload = statistics.mean(r["interface_payload_bytes_per_node"]) / 1e3
