@@ -358,3 +358,20 @@ def test_every_report_is_written_by_one_writer_and_old_row_lists_still_read(tmp_
     assert read_report(str(tmp_path / "old.json")) == {"rows": [{"method": "allreduce"}]}
     for name in COMMANDS:  # no command writes its JSON report itself
         assert "json.dump(" not in inspect.getsource(load(name)) or name == "lost-node", name
+
+
+def test_deepspeed_step_offers_the_zero_rows_and_their_table(capsys):
+    from signmuon.benchmarks.commands import deepspeed_step
+    from signmuon.benchmarks.methods.registry import names_for
+    from signmuon.benchmarks.reports.tables import zero_step_table
+
+    zero_rows = {"zero2_adamw", "zero1_signum_mv", "zero2_signum_mv", "zero2_signmuon"}
+    assert zero_rows <= set(names_for("deepspeed-step"))
+    assert not zero_rows & set(deepspeed_step.DEFAULT_METHODS), "the ZeRO rows need nodes: not run by default"
+    with pytest.raises(SystemExit):
+        deepspeed_step.main(["--methods", "zero3_signum_mv"])
+    assert "zero2_signmuon" in capsys.readouterr().err
+    row = {"params": 10, "state_bytes_max_rank": 20.0, "interface_payload_bytes_per_node": [1000.0, 3000.0]}
+    rows = [{"method": "zero2_adamw", "step_s": 0.4, **row}, {"method": "zero2_signum_mv", "step_s": 0.1, **row}]
+    table = zero_step_table([{"reports": [{"rate": "100mbit", "rows": rows}]}]).splitlines()
+    assert table[-1].endswith("| 100mbit | 100 | 0.250× | 2.0 | 0.500 |"), table[-1]

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-1/2 with the vote between nodes (DeepSpeed on CPU, gloo): equal to node-aware
-DDP and to a single-process node-level reference (tests/zero_world.py), every rank skipping
+DDP, to FSDP2's node-aware vote and to a single-process node-level reference (tests/zero_world.py), every rank skipping
 together, checkpoints, refusals; SignumMV and SignSGDMV bit for bit, SignMuon (Newton–Schulz at
 each matrix's owner) to float tolerance. Few spawns: each process group runs many checks."""
 
@@ -15,7 +15,18 @@ from torch import nn
 from signmuon.comm_hooks.vote import vote_bytes_per_rank
 from signmuon.integrations.deepspeed import initialize
 from tests.harness import run_distributed
-from tests.zero_world import BETA, STEPS, L, ddp_run, ds_config, micro_batch, node_reference, train_engine, zero_model
+from tests.zero_world import (
+    BETA,
+    STEPS,
+    L,
+    ddp_run,
+    ds_config,
+    fsdp_run,
+    micro_batch,
+    node_reference,
+    train_engine,
+    zero_model,
+)
 
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "torch_extensions")
@@ -44,6 +55,7 @@ MUON_OPTIONS = {"non_matrix": "adamw", "polar_after_vote": True}  # held to node
 def _cells(rank, world_size, cells, ddp_runs, extras):
     out = {("zero",) + cell: _zero_run(rank, *cell) for cell in cells}
     out.update({("ddp", gas, name): ddp_run(rank, gas, name) for gas, name in ddp_runs})
+    out.update({("fsdp", gas, name): fsdp_run(rank, gas, name) for gas, name in ddp_runs})
     if extras:
         out[("clip",)] = _zero_run(rank, 2, 2, clip=0.05)
         out[("options", "zero")] = _zero_run(rank, 2, 1, "SignMuon", options=MUON_OPTIONS)
@@ -66,6 +78,8 @@ def _check(results, world_size, cells, ddp_runs, extras):
                 if (gas, name) in ddp_runs:
                     for a, b in zip(result[("zero", stage, gas, name)][step], result[("ddp", gas, name)][step]):
                         assert _same(a, b, name), f"ZeRO-{stage} {name} vs node-aware DDP: rank {rank} step {step}"
+                    for a, b in zip(result[("zero", stage, gas, name)][step], result[("fsdp", gas, name)][step]):
+                        assert _same(a, b, name), f"ZeRO-{stage} {name} vs FSDP2's vote: rank {rank} step {step}"
     muon, signum = node_reference(world_size, 1, muon=True), node_reference(world_size, 1)
     assert any(not torch.equal(a, b) for a, b in zip(muon[-1], signum[-1])), "Newton–Schulz changed no sign"
     if extras:
@@ -87,7 +101,8 @@ def _check(results, world_size, cells, ddp_runs, extras):
 def test_zero_equals_node_aware_ddp_and_node_reference(world_size):
     """Stages 1 and 2, accumulation 1 and 2, SignumMV and SignSGDMV (bit for bit), SignMuon (to
     float tolerance, also with AdamW off the matrices and the polar step after the vote): every
-    rank's weights after every step equal the node-level reference and node-aware DDP."""
+    rank's weights after every step equal the node-level reference, node-aware DDP and FSDP2's
+    node-aware vote (built in the same process group, per-layer units)."""
     cells = CELLS if world_size == 4 else [CELLS[0], CELLS[1], CELLS[5]]
     gases = (1, 2) if world_size == 4 else (2,)
     ddp_runs = [(gas, name) for gas in gases for name in ("SignumMV", "SignMuon")]

@@ -1,15 +1,16 @@
 """The world of the DeepSpeed ZeRO tests (tests/test_deepspeed_zero.py, tests/conformance/test_zero_cells.py):
-the model, the data, the config, a ZeRO run, the node-aware DDP run it must equal, and the
+the model, the data, the config, a ZeRO run, the node-aware DDP and FSDP2 runs it must equal, and the
 single-process node-level reference both must equal (nodes simulated in a loop, no process group)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.optim import SignMuon, SignumMV
+from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
 from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 
 L = 2  # ranks per node
@@ -80,6 +81,28 @@ def ddp_run(rank, gas, name="SignumMV", **options):
                 (nn.functional.cross_entropy(model(x), y) / gas).backward()
         opt.step()
         history.append([p.detach().clone() for p in net.parameters()])
+    return history
+
+
+def fsdp_run(rank, gas, name="SignumMV"):
+    """FSDP2 inside each node (per-layer units), the vote between nodes during backward, on the
+    same data: every whole parameter after each step."""
+    mesh = node_mesh(L)
+    net = zero_model()
+    for unit in (net[0], net[2], net):
+        fully_shard(unit, mesh=mesh["local"])
+    cls = SignMuon if name == "SignMuon" else SignumMV
+    opt = cls(net.parameters(), lr=LR, momentum=BETA, weight_decay=WD, vote=VoteConfig(tie="exact"))
+    register_fsdp_vote(net, opt, mesh)
+    history = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(gas):
+            net.set_requires_gradient_sync(micro == gas - 1)
+            x, y = micro_batch(rank, step, micro)
+            (nn.functional.cross_entropy(net(x), y) / gas).backward()
+        opt.step()
+        history.append([p.full_tensor().detach().clone() for p in net.parameters()])
     return history
 
 

@@ -92,7 +92,7 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
         json_path = os.path.join(tmp, "rows.json")
         if inner[0] in ("bandwidth", "train") and "--json" not in inner:
             inner = inner + ["--json", json_path] + ([] if args.live else ["--no-progress"])
-        elif inner[0] == "ddp-step" and "--json" not in inner:
+        elif inner[0] in ("ddp-step", "deepspeed-step") and "--json" not in inner:
             inner = inner + ["--json", json_path]
         with EmulatedNetwork(args.world_size, rate, args.delay, ranks_per_node=args.ranks_per_node) as net:
             before = net.tx_bytes()
@@ -128,6 +128,8 @@ def _run_once(args, inner: list[str], rate: str) -> dict:
                 if counted and L > 1:
                     report[f"algorithmic_bytes_per_{unit}"] = sum(counted)
                 report["rows"] = rows
+            elif inner[0] == "deepspeed-step":
+                report["rows"] = loaded["rows"]  # each row's bytes between nodes from the counters
             else:
                 warmup_iters = _calls_per_measurement(inner)
                 # Rows carry rank 0's bytes; a node's ranks send equal shares (between nodes, for signsgd_mv_node).

@@ -8,7 +8,7 @@ and time by the cost model). Builders by command:
 
 * ``bandwidth``: ``(grad, world_size) -> (call, bytes)`` (:mod:`.collective`);
 * ``ddp-step``: ``(args, device) -> StepSetup`` (:mod:`.ddp`);
-* ``deepspeed-step``: ``(args) -> (step, stats, params)`` (:mod:`.deepspeed`);
+* ``deepspeed-step``: ``(args) -> (step, stats, params, stateful)`` (:mod:`.deepspeed`);
 * ``train`` and ``train:fsdp`` (``--strategy fsdp``): ``(net, config) -> Setup``
   (:mod:`.training`, :mod:`.local_steps`);
 * ``plan``: ``(cluster, workload) -> Traffic`` (:mod:`.traffic`).
@@ -108,6 +108,20 @@ METHODS: dict[str, Method] = {
         "SignSGDMV voting in step() (vote_in_step)", {_DS: deepspeed.engine("SignSGDMV", overlap_backward=False)}
     ),
     "ddp_signsgd_mv": Method("SignSGDMV's hook under DDP (deepspeed-step's reference)", {_DS: deepspeed.ddp_hook}),
+    "zero2_adamw": Method("DeepSpeed's own ZeRO-2 over every rank, AdamW", {_DS: deepspeed.zero_adamw}),
+    "zero1_signum_mv": Method(
+        "ZeRO-1 inside each node, SignumMV voted between nodes", {_DS: deepspeed.zero(1, "SignumMV")}
+    ),
+    "zero2_signum_mv": Method(
+        "ZeRO-2 inside each node, SignumMV voted between nodes", {_DS: deepspeed.zero(2, "SignumMV")}
+    ),
+    "zero2_signum_mv_coin": Method(
+        "zero2_signum_mv with zeros='coin' (one bit per entry, exact zeros too)",
+        {_DS: deepspeed.zero(2, "SignumMV", {"zeros": "coin"})},
+    ),
+    "zero2_signmuon": Method(
+        "ZeRO-2 inside each node, SignMuon voted between nodes", {_DS: deepspeed.zero(2, "SignMuon")}
+    ),
     "signum_mv": Method(
         "Signum-MV: the vote of each worker's momentum signs",
         {

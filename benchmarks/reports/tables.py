@@ -126,6 +126,27 @@ def step_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def zero_step_table(reports: list[dict], base: str = "zero2_adamw") -> str:
+    """``deepspeed-step`` under ``netem`` (each file one report per rate): the median step, its ratio to
+    ``base`` of the same run, the payload between nodes from the interfaces' counters (mean over
+    nodes) and the largest rank's optimizer state in units of 4 bytes per parameter."""
+    lines = [
+        "| method | link | step ms | × DeepSpeed ZeRO-2 AdamW | KB between nodes / node / step "
+        "| optimizer state / rank (× 4 B × params) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for report in [one for file in reports for one in file["reports"]]:
+        rows = {r["method"]: r for r in report["rows"]}
+        for method, r in rows.items():
+            payload = statistics.mean(r["interface_payload_bytes_per_node"]) / 1e3
+            state = r["state_bytes_max_rank"] / (4 * r["params"])
+            lines.append(
+                f"| {method_label(method)} | {report['rate']} | {r['step_s'] * 1e3:.0f} | "
+                f"{r['step_s'] / rows[base]['step_s']:.3f}× | {payload:.1f} | {state:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def validation_table(reports: list[dict], within: str = "0.2") -> str:
     """``plan --validate``: predicted / measured step per layout, method and rate (and, where the
     report has them, each vote's zeros' bits and kernel time from the unshaped run), and per
