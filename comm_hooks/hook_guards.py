@@ -4,13 +4,14 @@ never ran, at the optimizer's first step (:func:`watch_first_step`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import torch
 
 from .dist import NonFiniteError
 
-__all__ = ["CountsHookCalls", "DeferredErrors", "refuse_per_parameter_call", "watch_first_step"]
+__all__ = ["CountsHookCalls", "DeferredErrors", "VotedGradients", "refuse_per_parameter_call", "watch_first_step"]
 
 
 class CountsHookCalls(Protocol):
@@ -66,6 +67,50 @@ class DeferredErrors:
         if error is not None:
             self.raised += 1
             raise error
+
+
+class VotedGradients:
+    """Refuses a synchronised backward into gradients that still hold the last vote.
+
+    Without ``no_sync``, a second backward before the gradients are cleared adds this
+    micro-batch's gradient to the vote DDP wrote, and votes that: neither the vote of the summed
+    gradients nor a sum of votes. The hook cannot see the optimizer, so it watches the gradient:
+    after each voted backward it notes each bucket's first gradient (the tensor and its version
+    counter); a hook on that parameter, which runs before autograd accumulates into it, raises
+    where the same tensor comes back untouched (``zero_grad`` sets it to None or bumps the
+    version). No device read; the same decision on every rank, which all run the same loop."""
+
+    __slots__ = ("marks", "watched")
+
+    def __init__(self) -> None:
+        self.marks: dict[int, tuple[weakref.ref, int]] = {}  # id(parameter) -> (its voted .grad, version)
+        self.watched: set[int] = set()  # parameters with the hook
+
+    def voted(self, bucket, hook: str) -> None:
+        """Note ``bucket``'s first gradient once DDP has written this backward's vote into it."""
+        param = bucket.parameters()[0]
+        if id(param) not in self.watched:
+            self.watched.add(id(param))
+            param.register_hook(lambda grad, param=param: self._check(param, hook))
+        engine = torch.autograd.Variable._execution_engine
+        try:  # after DDP's end-of-backward callback, which copies the vote into .grad
+            engine.queue_callback(lambda: engine.queue_callback(lambda: self._note(param)))
+        except RuntimeError:
+            pass  # outside a backward pass (a joined rank's call): DDP writes no gradient
+
+    def _note(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.marks[id(param)] = (weakref.ref(param.grad), param.grad._version)  # weak: zero_grad frees it
+
+    def _check(self, param: torch.Tensor, hook: str) -> None:
+        mark = self.marks.pop(id(param), None)
+        if mark is not None and param.grad is not None and param.grad is mark[0]() and param.grad._version == mark[1]:
+            raise RuntimeError(
+                f"{hook}: a second synchronised backward before the gradients were cleared would vote this "
+                "micro-batch's gradient plus the last vote: accumulate micro-batches with their forward and backward "
+                "under ddp_model.no_sync() (the vote then runs once, on their sum), and call optimizer.zero_grad() "
+                "after each step"
+            )
 
 
 def watch_first_step(state: CountsHookCalls, optimizer: torch.optim.Optimizer, fix: str) -> None:

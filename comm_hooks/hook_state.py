@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .ddp_group import ddp_model_of, group_ranks, resolve_group
 from .dist import CommStats, NonFiniteError, agree, check_replicas, check_same_settings, group_size_rank
-from .hook_guards import DeferredErrors, watch_first_step
+from .hook_guards import DeferredErrors, VotedGradients, watch_first_step
 from .kernels.bits import SignSegments
 from .pipeline import VotePipeline
 from .vote import (
@@ -38,6 +38,7 @@ _PROCESS_SLOTS = (
     "errors",
     "layout",
     "headers_agree",
+    "voted_grads",
 )
 """What a hook state does not pickle: this process's (``VoteHookState._start_process_state``)."""
 
@@ -96,6 +97,7 @@ class VoteHookState:
         self.param_keys: dict[torch.Tensor, int] = {}  # parameter -> stable key (first-seen order)
         self.bucket_calls = 0  # hook calls so far in this iteration
         self.errors = DeferredErrors()  # NonFiniteError raised once DDP's backward is done
+        self.voted_grads = VotedGradients()  # refuses a backward into gradients still holding a vote
         self.layout: NodeLayout | None = None  # node and rail groups (hierarchical), made at the first call
         # Once a flat vote has run, every bucket's vote headers carry (iteration, bucket) and are
         # compared on every rank: the per-iteration agreement (a host read) is then redundant.

@@ -235,6 +235,7 @@ def sign_vote_hook(state: SignVoteState, bucket: dist.GradBucket) -> torch.futur
     if state.iter < state.start_iter:
         state.maybe_increase_iter(bucket)
         return mean_all_reduce_future(grad, state.process_group, state.stats, state.nonfinite, on_error=state.defer)
+    state.voted_grads.voted(bucket, "sign_vote_hook")
     if state.momentum == 0:
         return state.vote(bucket, grad, out=grad)
     if state.node_layout() is not None:  # momentum on the node's mean gradient, this rank's slice of it

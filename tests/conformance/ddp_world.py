@@ -64,6 +64,8 @@ class Config:
     join: bool = False
     sync_every_micro: bool = False
     """Every micro-batch's backward syncs (a second backward before ``step()``, no ``no_sync``)."""
+    set_to_none: bool = True
+    """``zero_grad``'s: False zeroes the gradients in place."""
 
     @property
     def vote(self) -> VoteConfig:
@@ -157,7 +159,7 @@ def train(rank: int, world_size: int, config: Config) -> list[torch.Tensor]:
     steps = config.steps[rank]
     with Join([model]) if config.join else _nothing():
         for step in range(steps):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=config.set_to_none)
             for micro in range(config.micro):
                 last = micro == config.micro - 1
                 with _nothing() if last or config.in_step or config.sync_every_micro else model.no_sync():

@@ -402,16 +402,24 @@ def _unfrozen_later(rank: int, world_size: int, entry: str):
 
 
 def handed_cells() -> list[Cell]:
-    """The bare hook is left out of the second-backward and unfrozen cells: it cannot tell a second
-    backward from the next step, and DDP itself never reduces a parameter unfrozen after it was built."""
+    """The bare hook is left out of the unfrozen cells: DDP itself never reduces a parameter
+    unfrozen after it was built."""
     cells = []
-    for entry in ("SignumMV", "SignSGDMV"):  # SignMuon's: refusal_cells
+    for entry in ("SignumMV", "SignSGDMV", "hook-signsgd", "hook-signum"):  # SignMuon's: refusal_cells
         cells.append(
             _cell(
                 "what the hook is handed",
                 "a second backward before step() without no_sync",
                 Config(entry, (3, 3), micro=2, sync_every_micro=True),
                 refusal="accumulate micro-batches with their forward and backward under ddp_model.no_sync()",
+            )
+        )
+    for entry in ("hook-signsgd", "hook-signum"):  # the refusal above must not catch zeroed gradients
+        cells.append(
+            _cell(
+                "what the hook is handed",
+                "zero_grad(set_to_none=False) between steps",
+                Config(entry, (3, 3), set_to_none=False),
             )
         )
     for entry in HOOKED:
