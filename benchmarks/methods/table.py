@@ -55,6 +55,11 @@ def _adamw(p, s):
     return torch.optim.AdamW(p, lr=2e-3 * s)
 
 
+def _powersgd_adamw(rank: int) -> Method:
+    """torch's PowerSGD hook at ``matrix_approximation_rank=rank`` with AdamW, in ``train``."""
+    return Method(f"PowerSGD (rank {rank}) + AdamW", {_TRAIN: training.powersgd(rank, _adamw)})
+
+
 def _rounds(
     summary: str, period: int, *, fsdp: bool = False, inner: str = "adamw", plan_as: str | None = None, **options
 ) -> Method:
@@ -216,7 +221,10 @@ METHODS: dict[str, Method] = {
         "DDP + torch's Muon (matrices) and AdamW (the rest)",
         {_TRAIN: training.allreduce(local_steps.muon_adamw, routed=True)},
     ),
-    "powersgd_adamw": Method("PowerSGD (rank 4) + AdamW", {_TRAIN: training.powersgd(4, _adamw)}),
+    # PowerSGD at rank 4 keeps its old name; ranks 1 and 2 were added to tune it per rank
+    "powersgd_adamw": _powersgd_adamw(4),
+    "powersgd_adamw_r1": _powersgd_adamw(1),
+    "powersgd_adamw_r2": _powersgd_adamw(2),
     "fp16_adamw": Method(
         "torch's fp16 compression hook + AdamW", {_TRAIN: training.half_allreduce(torch.float16, _adamw)}
     ),

@@ -1,6 +1,6 @@
 """Tuned learning rates: the factor on each method's default learning rate that the sweep chose.
 
-``signmuon-bench sweep`` trained every method at several factors, 3 seeds each, 300 steps on 4
+``signmuon-bench sweep`` trained every method at several factors, 3 seeds each (PowerSGD: seed 0), 300 steps on 4
 ranks; the factor with the lowest mean final validation loss is kept here, per task (the JSON
 files in benchmarks/results/ hold the whole grid and the command lines). ``train`` applies these
 factors unless ``--untuned``; a method or task without an entry runs at its default (factor 1)
@@ -18,6 +18,8 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
     "charlm": {
         "adamw": 4.0,  # 1.983 ± 0.036 (x2 2.049, x8 2.000)
         "muon_adamw": 2.0,  # 1.896 ± 0.021 (x1 1.973, x4 2.002)
+        "powersgd_adamw": 4.0,  # seed 0 only: 2.142 (x2 2.181, x8 2.169; x1 2.278 in 12-03-rates)
+        "powersgd_adamw_r1": 2.0,  # seed 0 only: 2.391 (x4 2.440, x8 2.419; x1 not run)
         "signmuon": 4.0,  # 1.889 ± 0.010 (x2 1.891, x8 2.020)
         "signmuon_fan_in": 1.0,  # 2.052 ± 0.039 (x0.5 2.139, x2 2.158)
         "signum_mv": 4.0,  # 2.035 ± 0.020 (x2 2.060, x8 2.122)
@@ -32,7 +34,10 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
     },
 }
 SWEEPS = {
-    "charlm": "2026-12-03-sweep-charlm.json, 2026-12-03-sweep-charlm-wider.json",
+    "charlm": ", ".join(
+        ["2026-12-03-sweep-charlm.json", "2026-12-03-sweep-charlm-wider.json"]
+        + [f"2026-12-07-powersgd-sweep-charlm-r{r}-x{x}.json" for r in (1, 4) for x in (2, 4, 8)]
+    ),
     "digits": "2026-12-03-sweep-digits.json",
 }
 

@@ -48,7 +48,8 @@ def time_to_target_table(reports: list[dict], baseline: str = "adamw", methods: 
     """Training under ``netem`` at one or more link rates: per method the final test loss (mean ±
     std over seeds), MB sent per rank (between nodes when the ranks were grouped into nodes), and
     per rate the time to the target relative to ``baseline``'s at that rate, with the seeds that
-    reached it."""
+    reached it. The learning-rate factor is marked '*' where the sweep tuned it, '~' where it
+    was tuned for the same optimizer, and bare at the default."""
     trains = train_reports(reports)
     first = trains[0]
     node_aware = any(r.get("ranks_per_node", 1) > 1 for r in reports[0].get("reports", []))
@@ -56,8 +57,8 @@ def time_to_target_table(reports: list[dict], baseline: str = "adamw", methods: 
     bytes_label = "MB between nodes / rank" if node_aware else "MB sent / rank"
     rates = [t["rate"].replace("mbit", " Mbit/s").replace("gbit", " Gbit/s") for t in trains]
     lines = [
-        f"| method | final test loss | {bytes_label} | " + " | ".join(rates) + " |",
-        "|---|---|---|" + "---|" * len(trains),
+        f"| method | lr × | final test loss | {bytes_label} | " + " | ".join(rates) + " |",
+        "|---|---|---|---|" + "---|" * len(trains),
     ]
     for method in order:
         summary = first["summary"][method]
@@ -71,10 +72,10 @@ def time_to_target_table(reports: list[dict], baseline: str = "adamw", methods: 
             cells.append(
                 "never" if not t else f"{t[0] / base[0]:.2f}× {seeds}" if base else f"{baseline} never {seeds}"
             )
+        mark = "*" if runs[0].get("lr_tuned") else "~" if runs[0].get("lr_borrowed") else ""
         lines.append(
-            f"| {method_label(method)} | {mean_std_text(summary['final'])} | {megabytes:.2f} | "
-            + " | ".join(cells)
-            + " |"
+            f"| {method_label(method)} | {runs[0].get('lr_scale', 1.0):g}{mark} | "
+            f"{mean_std_text(summary['final'])} | {megabytes:.2f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 
