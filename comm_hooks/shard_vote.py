@@ -115,7 +115,8 @@ class ShardVoter:
         config: the vote's settings (``hierarchical`` is implied: the voters are nodes).
         stats: where bytes are counted (inside a node and between nodes).
         defer_mismatch: keep a rail's VoteMismatchError until :meth:`settle` (the vote goes on
-            with zeros), so the node's other ranks, whose rails agree, learn of it too.
+            with zeros, that rail idle: its nodes may issue different units), so the node's other
+            ranks, whose rails agree, learn of it too.
     """
 
     __slots__ = ("layout", "config", "stats", "defer_mismatch", "pending")
@@ -231,6 +232,8 @@ class ShardVoter:
         segments = SignSegments.of_pieces([p.numel() for p in pieces], keys, firsts) if pieces else None
         rail = self.layout.rail_group, self.config.rail
         try:
+            if self.pending is not None:  # the rail's ranks all met the mismatch: none calls it again
+                raise self.pending
             voted = vote_in_place(
                 voter,
                 *rail,
