@@ -37,11 +37,14 @@ def _done(folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def trained(rank, world_size, stage, gas, steps=3, name="SignumMV", **vote):
+def trained(rank, world_size, stage, gas, steps=3, name="SignumMV", ahead=False, **vote):
     model = zero_model(seed=rank)  # each rank its own init: rank 0's must reach every node
     config = ds_config(stage, gas, name)
     config["vote"] |= vote
-    engine, _, _, _ = initialize(model=model, config=config)
+    engine, zero_optimizer, _, _ = initialize(model=model, config=config)
+    if ahead and rank == 3:  # one rank of node 1 a step ahead, as after loading another step's files
+        ours = zero_optimizer.optimizer
+        getattr(ours, "optimizer", ours).steps_taken = 1  # SignMuon's base steps ours
     return train_engine(engine, model, rank, steps, gas)[-1]
 
 
@@ -146,7 +149,22 @@ def zero_cells() -> list[Cell]:
             refusal="must be one number that divides",
         )
     )
-    return cells + muon_cells()
+    return cells + out_of_step_cells() + muon_cells()
+
+
+def out_of_step_cells() -> list[Cell]:
+    """One rank a step ahead: its rail refuses, and the node's other rails learn it (every rank raises)."""
+    return [
+        Cell(
+            _entry(stage, name),
+            "ranks out of step",
+            "rank 3 (node 1, local rank 1) a step ahead of the others: refused on every rank",
+            partial(trained, stage=stage, gas=1, steps=1, name=name, ahead=True),
+            refusal="VoteMismatchError",
+        )
+        for name in ("SignumMV", "SignMuon")
+        for stage in (1, 2)
+    ]
 
 
 def muon_cells() -> list[Cell]:
