@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from signmuon.comm_hooks import NonFiniteError, VoteConfig
+from signmuon.comm_hooks import NonFiniteError, VoteConfig, VoteMismatchError
 from signmuon.comm_hooks.dist import all_reduce, flatten, gather_rows, unflatten_into
 
 __all__ = ["NodePartitionMPU", "ZeroLayout", "check_zero_config", "zero_layout"]
@@ -221,3 +221,32 @@ def agree_overflow(zero_optimizer, vote: VoteConfig, stats) -> None:
 
     zero_optimizer.has_overflow = has_overflow
     zero_optimizer.check_grad_overflow = True  # fp32 and bf16 too: a skip must be every rank's
+
+
+def agree_mismatch(optimizer, layout: ZeroLayout) -> None:
+    """Make a rail's ``VoteMismatchError`` every rank's (ranks out of step): the rail that met a
+    rank at another step raises, the node's other rails do not, and would wait for it in
+    DeepSpeed's all-gather. After each step, one tiny all-reduce in the node tells every rank
+    (every rail reaches every node), and every rank raises."""
+    step = optimizer.step
+    if layout.ranks_per_node == 1:
+        return  # the rail is every rank: it raises everywhere already
+
+    def agreed_step(*args, **kwargs):
+        error = result = None
+        try:
+            result = step(*args, **kwargs)
+        except VoteMismatchError as raised:
+            error = raised
+        flag = torch.tensor([int(error is not None)], dtype=torch.int32)
+        all_reduce(flag, layout.node_group, op="max")
+        if error is not None:
+            raise error
+        if int(flag.item()):
+            raise VoteMismatchError(
+                "another rank of this node met ranks of other nodes at a different step and raised "
+                "VoteMismatchError: no rank steps; resume every rank from the same checkpoint"
+            )
+        return result
+
+    optimizer.step = agreed_step

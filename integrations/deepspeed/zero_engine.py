@@ -19,6 +19,7 @@ from .checkpoints import RANK_STATE_FILE, read_rank_file
 from .zero import (
     NodePartitionMPU,
     ZeroLayout,
+    agree_mismatch,
     agree_overflow,
     broadcast_model,
     check_zero_config,
@@ -81,6 +82,7 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
         opt, base = sign_muon_on_partitions(zero_optimizer, spec, settings, layout, vote, reserved)
     else:
         opt = base = sign_optimizer_from_spec(spec, groups, **options, process_group=layout.rail_group)
+        agree_mismatch(base, layout)  # SignMuon's exchange settles its own (ShardVoter.settle)
     zero_optimizer.optimizer = base
     if getattr(scheduler, "optimizer", None) is placeholder:
         scheduler.optimizer = base

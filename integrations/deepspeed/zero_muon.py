@@ -123,7 +123,8 @@ class ZeroExchange(Exchange):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if len(params) != len(self.pieces) or set(params) != set(self.pieces):
             raise ValueError("the optimizer on ZeRO partitions must hold exactly the parameters DeepSpeed partitions")
-        self.voter = ShardVoter(self.node_layout, optimizer.vote_config, optimizer.stats)
+        # a rail's mismatch waits for settle(): the node's other rails meet it in the all-to-all first
+        self.voter = ShardVoter(self.node_layout, optimizer.vote_config, optimizer.stats, defer_mismatch=True)
         self.specs = shard_specs(optimizer, self.ranks_per_node, self.layout.ranges)
 
     def params_changed(self, optimizer: SignVoteOptimizer) -> None:
@@ -141,7 +142,11 @@ class ZeroExchange(Exchange):
             )
         grads = [grad.narrow(0, *self.pieces[p]) for p in params]
         step = optimizer.steps_taken
-        return vote_shards(optimizer, self.voter, params, grads, self.specs, label=f"{name} step {step}", mean_tag=step)
+        exchanged = vote_shards(
+            optimizer, self.voter, params, grads, self.specs, label=f"{name} step {step}", mean_tag=step
+        )
+        self.voter.settle()  # a rail's mismatch raises on every rank of the node, so on every rank
+        return exchanged
 
 
 class PartitionStep:

@@ -145,3 +145,33 @@ def a_step_ahead(rank: int, world_size: int, entry: str, during_backward: bool):
         opt.steps_taken = 1
     run_steps(net, opt, Config(entry, (1,) * world_size), rank, 0, 1)
     return whole(net)
+
+
+def resumed_plain(rank: int, world_size: int, config: Config, at: int = 2):
+    """``at`` steps, ``torch.save`` of each rank's model and optimizer ``state_dict()`` to its own
+    file, a fresh model and optimizer that load them, then the rest of ``config.steps``."""
+    torch.set_num_threads(1)
+    folder = _folder()
+    try:
+        mesh = node_mesh(PER_NODE)
+        net = sharded(mesh)
+        opt = optimizer(config.entry, net.parameters())
+        register_fsdp_vote(net, opt, mesh)
+        run_steps(net, opt, config, rank, 0, at)
+        torch.save({"model": net.state_dict(), "optim": opt.state_dict()}, f"{folder}/rank{rank}.pt")
+        dist.barrier()
+        net = sharded(mesh)
+        with torch.no_grad():  # another start: everything must come from the files
+            for p in net.parameters():
+                p.add_(1.0)
+        opt = optimizer(config.entry, net.parameters())
+        register_fsdp_vote(net, opt, mesh)
+        own = torch.load(f"{folder}/rank{rank}.pt", weights_only=False)
+        net.load_state_dict(own["model"])
+        opt.load_state_dict(own["optim"])
+        run_steps(net, opt, config, rank, at, config.steps[rank])
+        return whole(net)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)

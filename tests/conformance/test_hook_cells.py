@@ -321,6 +321,12 @@ def fsdp_cells() -> list[Cell]:
                 Config(entry, (4,) * 4, per_node=2),
                 run=partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2)),
             ),
+            _fsdp_cell(
+                "whose state comes back",
+                "torch.save of each rank's optimizer state_dict() to its own file, a fresh optimizer loads it",
+                Config(entry, (4,) * 4, per_node=2),
+                run=partial(fsdp_world.resumed_plain, config=Config(entry, (4,) * 4, per_node=2)),
+            ),
             _fsdp_refusal(
                 entry,
                 "ranks out of step",

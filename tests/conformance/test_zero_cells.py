@@ -37,11 +37,14 @@ def _done(folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def trained(rank, world_size, stage, gas, steps=3, name="SignumMV", **vote):
+def trained(rank, world_size, stage, gas, steps=3, name="SignumMV", ahead=False, **vote):
     model = zero_model(seed=rank)  # each rank its own init: rank 0's must reach every node
     config = ds_config(stage, gas, name)
     config["vote"] |= vote
-    engine, _, _, _ = initialize(model=model, config=config)
+    engine, zero_optimizer, _, _ = initialize(model=model, config=config)
+    if ahead and rank == 3:  # one rank of node 1 a step ahead, as after loading another step's files
+        ours = zero_optimizer.optimizer
+        getattr(ours, "optimizer", ours).steps_taken = 1  # SignMuon's base steps ours
     return train_engine(engine, model, rank, steps, gas)[-1]
 
 
@@ -146,7 +149,22 @@ def zero_cells() -> list[Cell]:
             refusal="must be one number that divides",
         )
     )
-    return cells + muon_cells()
+    return cells + out_of_step_cells() + muon_cells()
+
+
+def out_of_step_cells() -> list[Cell]:
+    """One rank a step ahead: its rail refuses, and the node's other rails learn it (every rank raises)."""
+    return [
+        Cell(
+            _entry(stage, name),
+            "ranks out of step",
+            "rank 3 (node 1, local rank 1) a step ahead of the others: refused on every rank",
+            partial(trained, stage=stage, gas=1, steps=1, name=name, ahead=True),
+            refusal="VoteMismatchError",
+        )
+        for name in ("SignumMV", "SignMuon")
+        for stage in (1, 2)
+    ]
 
 
 def muon_cells() -> list[Cell]:
@@ -194,7 +212,7 @@ def muon_cells() -> list[Cell]:
 
 
 def test_zero_cells():  # and stage 0's cells, in the same process group (DeepSpeed's init is paid once)
-    check_cells(zero_cells() + stage0_cells(), WORLD, timeout=600)
+    check_cells(zero_cells() + stage0_cells() + mpu_cells(), WORLD, timeout=600)
 
 
 # --- ZeRO stage 0: the flat vote over DeepSpeed's data-parallel group, in the same spawn -------
@@ -248,6 +266,45 @@ def stage0_trained(rank, world_size, config, overlap=True, frozen=False, resume_
         return [p.detach().clone() for p in net.parameters()]
     finally:
         _done(folder)
+
+
+class TwoWayModelParallel:
+    """DeepSpeed's mpu protocol for tensor parallelism of 2 on 4 ranks: model-parallel groups
+    {0, 1} and {2, 3}, data-parallel groups {0, 2} and {1, 3} (each rank here holds the whole
+    model: only the groups matter to the vote)."""
+
+    def __init__(self) -> None:
+        rank = dist.get_rank()
+        made = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
+        self.model = made[(0, 1) if rank < 2 else (2, 3)]
+        self.data = made[(0, 2) if rank % 2 == 0 else (1, 3)]
+
+    def get_model_parallel_world_size(self):
+        return 2
+
+    def get_model_parallel_rank(self):
+        return dist.get_rank() % 2
+
+    def get_model_parallel_group(self):
+        return self.model
+
+    def get_data_parallel_world_size(self):
+        return 2
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank() // 2
+
+    def get_data_parallel_group(self):
+        return self.data
+
+
+def stage0_with_mpu(rank, world_size, config, overlap=True):
+    torch.set_num_threads(1)
+    net = ddp_world.Net()
+    ds = _stage0_config(config.entry, config.micro)
+    engine, _, _, _ = initialize(model=net, config=ds, overlap_backward=overlap, mpu=TwoWayModelParallel())
+    _stage0_steps(engine, rank, config, 0, config.steps[rank])
+    return [p.detach().clone() for p in net.parameters()]
 
 
 def stage0_group_given(rank, world_size, name):
@@ -304,4 +361,23 @@ def stage0_cells() -> list[Cell]:
                 refusal="VoteMismatchError",
             ),
         ]
+    return cells
+
+
+def mpu_cells() -> list[Cell]:
+    """Last in the spawn: DeepSpeed keeps a given mpu in its module state, where later engines find it."""
+    cells = []
+    for name in ("SignumMV", "SignMuon"):
+        subgroups = ddp_world.Config(name, (3,) * WORLD, groups=((0, 2), (1, 3)))
+        cells.append(
+            Cell(
+                _entry(0, name),
+                "who votes",
+                "deepspeed.initialize(mpu=...) with data-parallel groups {0, 2} and {1, 3}: each votes alone",
+                partial(stage0_with_mpu, config=subgroups),
+                partial(ddp_world.simulate, subgroups),
+                atol=MUON_ATOL if name == "SignMuon" else 0.0,
+                per_rank=True,
+            )
+        )
     return cells
