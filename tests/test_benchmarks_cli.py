@@ -375,3 +375,27 @@ def test_deepspeed_step_offers_the_zero_rows_and_their_table(capsys):
     rows = [{"method": "zero2_adamw", "step_s": 0.4, **row}, {"method": "zero2_signum_mv", "step_s": 0.1, **row}]
     table = zero_step_table([{"reports": [{"rate": "100mbit", "rows": rows}]}]).splitlines()
     assert table[-1].endswith("| 100mbit | 100 | 0.250× | 2.0 | 0.500 |"), table[-1]
+
+
+def test_train_reports_each_methods_largest_burst_and_hidden_share(capsys):
+    from signmuon.benchmarks.methods.registry import METHODS
+    from signmuon.benchmarks.reports.train_report import print_time_split
+
+    streaming, whole = METHODS["diloco_vote_ef_8_stream4"], METHODS["diloco_vote_ef_8"]
+    assert streaming.tuned_as == whole.tuned_as, "the streaming row is the one-bit rounds row with fragments"
+    split = {"step": 2.0, "forward_backward_rest": 2.0, "newton_schulz": None, "pack_vote_unpack": None}
+    results = [
+        {"method": "whole", "time_split_ms": {**split, "network_wait": None}, "round_hidden_share": 0.0}
+        | {"largest_burst_between_nodes_per_rank": 12_000},
+        {"method": "streamed", "time_split_ms": {**split, "network_wait": None}, "round_hidden_share": 0.9}
+        | {"largest_burst_between_nodes_per_rank": 3_000},
+        {"method": "streamed", "time_split_ms": {**split, "network_wait": None}, "round_hidden_share": 0.7}
+        | {"largest_burst_between_nodes_per_rank": 3_500},
+        {"method": "ddp", "time_split_ms": {**split, "network_wait": None}, "round_hidden_share": None}
+        | {"largest_burst_between_nodes_per_rank": 0},
+    ]
+    print_time_split(results)
+    out = capsys.readouterr().out
+    assert "whole largest burst 12.0 KB, hidden 0%" in out
+    assert "streamed largest burst 3.5 KB, hidden 80%" in out  # the largest over seeds, the mean share
+    assert "ddp largest burst 0.0 KB\n" in out

@@ -156,3 +156,22 @@ def test_the_step_table_names_each_runs_link_and_divides_by_the_vote_in_step(tmp
     assert "| 100mbit | 2.0M | 0.600 | 0.75× | 1.00 | 100% |" in table
     assert "| loopback | 2.0M | 0.500 | 1.25× | 1.00 | 100% |" in table
     assert "_in_step" not in table and table.count("| 2.0M |") == 2
+
+
+def test_the_streaming_table_pools_seeds_and_divides_each_burst_by_the_unfragmented_rounds(tmp_path):
+    def run(method, seed, loss, burst, hidden):
+        log = [{"step": 25, "time_s": 10.0, "test_loss": 3.0}, {"step": 50, "time_s": 20.0, "test_loss": loss}]
+        return {
+            "method": method, "seed": seed, "log": log, "step_ms": 1.0, "bytes_per_rank": 4e6,
+            "bytes_between_nodes_per_rank": 2e6, "largest_burst_between_nodes_per_rank": burst,
+            "round_hidden_share": hidden,
+        }  # fmt: skip
+
+    seed0 = {"train": {"summary": {}, "runs": [run("whole", 0, 2.0, 8000, 0.0), run("streamed", 0, 2.2, 2000, 0.9)]}}
+    seed1 = {"train": {"summary": {}, "runs": [run("whole", 1, 2.0, 8000, 0.0), run("streamed", 1, 1.8, 2400, 0.7)]}}
+    for name, content in {"seed0.json": seed0, "seed1.json": seed1}.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    spec = "<!-- report streaming seed0.json seed1.json baseline=whole target=2.1 -->\n<!-- /report -->"
+    table = regenerate(spec, str(tmp_path))
+    assert "| whole | 2 | 2.000 ± 0.000 | 2.00 | 8.0 | 1.00 | 0% | 20 (2/2) |" in table
+    assert "| streamed | 2 | 2.000 ± 0.283 | 2.00 | 2.4 | 0.30 | 80% | 20 (1/2) |" in table

@@ -87,13 +87,21 @@ def muon_adamw(params, lr_scale: float) -> torch.optim.Optimizer:
 
 
 def rounds(
-    period: int, pseudo_gradient: str | None = "mean", pull: float = 1.0, push: float = 0.0, inner=adamw
+    period: int,
+    pseudo_gradient: str | None = "mean",
+    pull: float = 1.0,
+    push: float = 0.0,
+    inner=adamw,
+    fragments: int = 1,
+    sync_delay: int = 0,
 ) -> Builder:
     """``inner`` (AdamW; or torch's Muon with AdamW, MuLoCo) on each worker, a round every
     ``period`` steps: DiLoCo's outer Nesterov step on the pseudo-gradients combined by
     ``pseudo_gradient`` (None: plain averaging, no outer step). Node-aware where the run is laid
     out in nodes (``--ranks-per-node``, torchrun): the inner step on the node's mean gradient
-    every step, rounds between nodes on the rails."""
+    every step, rounds between nodes on the rails. ``fragments`` > 1 streams them (Streaming
+    DiLoCo): each fragment's round every ``period`` steps at staggered offsets, issued
+    ``sync_delay`` steps before it lands."""
 
     is_dppf = (pull, push) != LOCAL_SGD_PULL_PUSH
 
@@ -104,7 +112,14 @@ def rounds(
         pull_push = config.pull_push if is_dppf and config.pull_push is not None else (pull, push)
         outer = None if pseudo_gradient is None else outer_step(config, pseudo_gradient)
         averager = LocalStepAverager(
-            period, pull=pull_push[0], push=pull_push[1], module=net, outer=outer, layout=layout
+            period,
+            pull=pull_push[0],
+            push=pull_push[1],
+            module=net,
+            outer=outer,
+            layout=layout,
+            fragments=fragments,
+            sync_delay=sync_delay,
         )
         params = muon_param_groups(net) if inner is muon_adamw else model.parameters()
         opt = local_sgd(model, inner(params, config.lr_scale), averager)

@@ -264,6 +264,13 @@ METHODS: dict[str, Method] = {
         fsdp=True,
         plan_as="diloco_vote_node",
     ),
+    "diloco_vote_ef_8_stream4": _rounds(
+        "streaming one-bit rounds: diloco_vote_ef_8 in 4 fragments, each issued 1 step before it lands",
+        8,
+        pseudo_gradient="sign_vote_ef",
+        fragments=4,
+        sync_delay=1,
+    ),
     "diloco_vote_ef_32": _rounds(
         "DiLoCo every 32 steps, sign vote with error feedback (one bit)", 32, pseudo_gradient="sign_vote_ef"
     ),

@@ -48,6 +48,7 @@ TABLES: dict[str, Callable[..., str]] = {
     "time-to-target": tables.time_to_target_table,
     "train": tables.train_table,
     "step": tables.step_table,
+    "streaming": tables.streaming_table,
     "zero-step": tables.zero_step_table,
     "validation": tables.validation_table,
     "projection": tables.projection_table,

@@ -15,6 +15,7 @@ __all__ = [
     "method_label",
     "projection_table",
     "step_table",
+    "streaming_table",
     "sweep_table",
     "time_to_target_table",
     "train_reports",
@@ -92,6 +93,38 @@ def train_table(reports: list[dict]) -> str:
                 f"| {method_label(method)} | {runs[0].get('strategy', 'ddp')} | {mean_std_text(summary['final'])} | "
                 f"{mean_std_text(summary['step_ms'], 1)} | {between:.2f} |"
             )
+    return "\n".join(lines)
+
+
+def streaming_table(reports: list[dict], baseline: str, target: str) -> str:
+    """Rounds with and without fragments, the runs of every report pooled per method: final
+    test loss (mean ± std over seeds), MB between nodes per rank, the largest burst (the most
+    one rank sent between nodes in one step, the largest over seeds) and its ratio to
+    ``baseline``'s, the share of the rounds' wire time hidden behind compute (mean over seeds),
+    and the time to test loss ``target`` (mean over the seeds that reach it)."""
+    from signmuon.benchmarks.reports.curves import seed_summary
+
+    runs: dict[str, list[dict]] = {}
+    for train in train_reports(reports):
+        for run in train["runs"]:
+            runs.setdefault(run["method"], []).append(run)
+    burst = {m: max(r["largest_burst_between_nodes_per_rank"] for r in rs) for m, rs in runs.items()}
+    lines = [
+        "| method | seeds | final test loss | MB between nodes / rank | largest burst, KB / rank "
+        f"| × {baseline}'s burst | round wire time hidden | s to loss {target} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, method_runs in runs.items():
+        summary = seed_summary(method_runs, float(target))
+        hit = summary["time_to_target"]
+        reached = f"{hit[0]:.0f} ({summary['reached']}/{summary['seeds']})" if hit else "never"
+        shares = [r["round_hidden_share"] for r in method_runs if r.get("round_hidden_share") is not None]
+        hidden = f"{100 * statistics.fmean(shares):.0f}%" if shares else "-"
+        between = statistics.fmean(r["bytes_between_nodes_per_rank"] for r in method_runs) / 1e6
+        lines.append(
+            f"| {method_label(method)} | {len(method_runs)} | {mean_std_text(summary['final'])} | {between:.2f} "
+            f"| {burst[method] / 1e3:.1f} | {burst[method] / burst[baseline]:.2f} | {hidden} | {reached} |"
+        )
     return "\n".join(lines)
 
 

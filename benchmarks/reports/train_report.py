@@ -26,6 +26,12 @@ def print_time_split(results: list[dict]) -> None:
             cells.append(f"{statistics.fmean(values):.2f}" if values else "-")
         widths = (8, 13, 14, 17, 13)
         print(f"{method:>16} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    print("largest burst: the most bytes a rank sent between nodes in one step; hidden: round wire time hidden")
+    for method, runs in by_method(results).items():
+        burst = max(r.get("largest_burst_between_nodes_per_rank", 0) for r in runs)
+        shares = [r["round_hidden_share"] for r in runs if r.get("round_hidden_share") is not None]
+        hidden = f", hidden {100 * statistics.fmean(shares):.0f}%" if shares else ""
+        print(f"{method:>16} largest burst {burst / 1e3:.1f} KB{hidden}")
 
 
 def write_curves(results: list[dict], csv_path: str | None = None, png_path: str | None = None) -> None:

@@ -88,6 +88,7 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
     eval_seconds = 0.0  # left out of time_s: the curves show training time, not evaluation time
     warmup = min(5, config.steps // 5)  # kernels compile and buckets form: left out of the time split
     at_warmup = _seconds(setup)
+    burst = sent_before = 0  # the most bytes this rank sent between nodes in any one step
     for step in range(config.steps):
         batch = torch.randint(0, task.num_examples, (config.batch_size,), generator=data_gen)
         x, y = (t.to(device) for t in task.batch(batch[rank * per_rank : (rank + 1) * per_rank]))
@@ -103,6 +104,8 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - start)
+        sent_now = setup.stats.bytes_sent_between_nodes
+        burst, sent_before = max(burst, sent_now - sent_before), sent_now
         if step + 1 == warmup:
             at_warmup = _seconds(setup)
         if progress is not None:
@@ -141,6 +144,10 @@ def train_worker(rank: int, world_size: int, method: str, config: TrainConfig) -
         "test_acc": log[-1]["test_acc"],
         "bytes_per_rank": setup.stats.bytes_sent,
         "bytes_between_nodes_per_rank": setup.stats.bytes_sent_between_nodes,
+        "largest_burst_between_nodes_per_rank": burst,
+        "round_hidden_share": setup.stats.round_hidden_share if setup.stats.round_seconds > 0 else None,
+        "round_seconds": setup.stats.round_seconds,
+        "round_steps_hidden": setup.stats.round_steps_hidden,
         "step_ms": 1e3 * statistics.median(step_times),
         "time_split_ms": time_split(step_times[warmup:], _seconds(setup), at_warmup),
         "log": log,
