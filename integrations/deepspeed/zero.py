@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import NonFiniteError, VoteConfig, VoteMismatchError
-from signmuon.comm_hooks.dist import all_reduce, flatten, gather_rows, unflatten_into
+from signmuon.comm_hooks.dist import all_reduce, flatten, gather_rows, group_device, unflatten_into
 
 __all__ = ["NodePartitionMPU", "ZeroLayout", "check_zero_config", "zero_layout"]
 
@@ -238,7 +238,7 @@ def agree_mismatch(optimizer, layout: ZeroLayout) -> None:
             result = step(*args, **kwargs)
         except VoteMismatchError as raised:
             error = raised
-        flag = torch.tensor([int(error is not None)], dtype=torch.int32)
+        flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=group_device(layout.node_group))
         all_reduce(flag, layout.node_group, op="max")
         if error is not None:
             raise error

@@ -72,12 +72,43 @@ def _folder() -> str:
     return made[0]
 
 
-def resumed(rank: int, world_size: int, config: Config, at: int = 2):
-    """``at`` steps, a DCP checkpoint of model and optimizer, a fresh model and optimizer that
-    load it (``get_state_dict``/``set_state_dict``), then the rest of ``config.steps``."""
+def _dcp_save(net, opt, folder: str, rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(net, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+
+
+def _dcp_load(net, opt, folder: str, rank: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _own_file_save(net, opt, folder: str, rank: int) -> None:
+    torch.save({"model": net.state_dict(), "optim": opt.state_dict()}, f"{folder}/rank{rank}.pt")
+
+
+def _own_file_load(net, opt, folder: str, rank: int) -> None:
+    own = torch.load(f"{folder}/rank{rank}.pt", weights_only=False)
+    net.load_state_dict(own["model"])
+    opt.load_state_dict(own["optim"])
+
+
+SAVES = {"dcp": (_dcp_save, _dcp_load), "torch.save": (_own_file_save, _own_file_load)}
+"""How a checkpoint is written and read: DCP (``get_state_dict``/``set_state_dict``), or each
+rank's model and optimizer ``state_dict()`` in a file of its own."""
+
+
+def resumed(rank: int, world_size: int, config: Config, at: int = 2, via: str = "dcp"):
+    """``at`` steps, a checkpoint of model and optimizer written as ``via`` says (:data:`SAVES`),
+    a fresh model and optimizer that load it, then the rest of ``config.steps``."""
+    save, load = SAVES[via]
     torch.set_num_threads(1)
     folder = _folder()
     try:
@@ -86,8 +117,8 @@ def resumed(rank: int, world_size: int, config: Config, at: int = 2):
         opt = optimizer(config.entry, net.parameters())
         register_fsdp_vote(net, opt, mesh)
         run_steps(net, opt, config, rank, 0, at)
-        model_state, optim_state = get_state_dict(net, opt)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+        save(net, opt, folder, rank)
+        dist.barrier()
         torch.manual_seed(100 + rank)
         net = sharded(mesh)
         with torch.no_grad():  # another start: everything must come from the checkpoint
@@ -95,10 +126,7 @@ def resumed(rank: int, world_size: int, config: Config, at: int = 2):
                 p.add_(1.0)
         opt = optimizer(config.entry, net.parameters())
         register_fsdp_vote(net, opt, mesh)
-        model_state, optim_state = get_state_dict(net, opt)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=folder)
-        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load(net, opt, folder, rank)
         run_steps(net, opt, config, rank, at, config.steps[rank])
         return whole(net)
     finally:
@@ -145,33 +173,3 @@ def a_step_ahead(rank: int, world_size: int, entry: str, during_backward: bool):
         opt.steps_taken = 1
     run_steps(net, opt, Config(entry, (1,) * world_size), rank, 0, 1)
     return whole(net)
-
-
-def resumed_plain(rank: int, world_size: int, config: Config, at: int = 2):
-    """``at`` steps, ``torch.save`` of each rank's model and optimizer ``state_dict()`` to its own
-    file, a fresh model and optimizer that load them, then the rest of ``config.steps``."""
-    torch.set_num_threads(1)
-    folder = _folder()
-    try:
-        mesh = node_mesh(PER_NODE)
-        net = sharded(mesh)
-        opt = optimizer(config.entry, net.parameters())
-        register_fsdp_vote(net, opt, mesh)
-        run_steps(net, opt, config, rank, 0, at)
-        torch.save({"model": net.state_dict(), "optim": opt.state_dict()}, f"{folder}/rank{rank}.pt")
-        dist.barrier()
-        net = sharded(mesh)
-        with torch.no_grad():  # another start: everything must come from the files
-            for p in net.parameters():
-                p.add_(1.0)
-        opt = optimizer(config.entry, net.parameters())
-        register_fsdp_vote(net, opt, mesh)
-        own = torch.load(f"{folder}/rank{rank}.pt", weights_only=False)
-        net.load_state_dict(own["model"])
-        opt.load_state_dict(own["optim"])
-        run_steps(net, opt, config, rank, at, config.steps[rank])
-        return whole(net)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)

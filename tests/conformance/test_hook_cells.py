@@ -325,7 +325,7 @@ def fsdp_cells() -> list[Cell]:
                 "whose state comes back",
                 "torch.save of each rank's optimizer state_dict() to its own file, a fresh optimizer loads it",
                 Config(entry, (4,) * 4, per_node=2),
-                run=partial(fsdp_world.resumed_plain, config=Config(entry, (4,) * 4, per_node=2)),
+                run=partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2), via="torch.save"),
             ),
             _fsdp_refusal(
                 entry,
