@@ -9,10 +9,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignumMV
 
-from . import fsdp_world, scaler_world
+from . import scaler_world
 from .cells import Cell, check_cells
 from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
 from .ddp_world import _optimizer as _ddp_optimizer
+from .test_fsdp_cells import fsdp_cells
 
 HOOKED = ("hook-signsgd", "hook-signum", "SignumMV", "SignSGDMV", "SignMuon")
 IN_STEP = ("SignumMV-in-step", "SignMuon-in-step")
@@ -248,113 +249,6 @@ def refusal_cells() -> list[Cell]:
 
 def test_refusals_name_the_remedy():
     check_cells(refusal_cells(), 2)
-
-
-# --- FSDP2: shards inside nodes of 2, the vote between them (4 ranks) --------------------------
-
-
-def _fsdp_cell(klass: str, case: str, config: Config, run=None, atol=0.0, **options) -> Cell:
-    atol = 1e-6 if config.entry == "SignMuon" else atol
-    run = run or partial(fsdp_world.train, config=config, **options)
-    return Cell(fsdp_world.ENTRIES[config.entry], klass, case, run, partial(simulate, config), atol=atol, per_rank=True)
-
-
-def _fsdp_refusal(entry: str, klass: str, case: str, run, refusal: str, bind: bool = True) -> Cell:
-    return Cell(fsdp_world.ENTRIES[entry], klass, case, partial(run, entry=entry) if bind else run, refusal=refusal)
-
-
-def fsdp_cells() -> list[Cell]:
-    cells = []
-    for entry in fsdp_world.ENTRIES:
-        nodes = Config(entry, (3,) * 4, per_node=2)
-        cells += [
-            _fsdp_cell("who votes", "2 nodes x 2: the node means voted between nodes", nodes),
-            _fsdp_refusal(
-                entry,
-                "who votes",
-                "a process_group given to the optimizer besides the mesh: refused on every rank",
-                fsdp_world.given_group,
-                "process_group",
-            ),
-            _fsdp_refusal(
-                entry,
-                "who votes",
-                "VoteConfig(ranks_per_node=4) on a mesh of 2 per node: refused on every rank",
-                fsdp_world.other_node_size,
-                "but the mesh has 2 ranks per node",
-            ),
-            _fsdp_refusal(
-                entry,
-                "who has a gradient",
-                "a head unused on node 1 (its unit never closes there), voted during backward: refused on every rank",
-                partial(fsdp_world.train, config=Config(entry, (3,) * 4, unused_on=(2, 3), per_node=2)),
-                "pass during_backward=False",
-                bind=False,
-            ),
-            _fsdp_cell(
-                "who has a gradient",
-                "a head unused on node 1, voted in step(): that node abstains",
-                Config(entry, (3,) * 4, unused_on=(2, 3), per_node=2),
-                during_backward=False,
-            ),
-            _fsdp_cell(
-                "who has a gradient",
-                "a frozen head (requires_grad=False, left out of the optimizer): it stays put",
-                Config(entry, (3,) * 4, unused_on=(0, 1, 2, 3), per_node=2),
-                frozen=True,
-            ),
-            _fsdp_cell(
-                "what the hook is handed",
-                "2 micro-batches under set_requires_gradient_sync(False)",
-                Config(entry, (3,) * 4, micro=2, per_node=2),
-            ),
-            _fsdp_refusal(
-                entry,
-                "what the hook is handed",
-                "a second backward before step() without set_requires_gradient_sync(False)",
-                partial(fsdp_world.second_backward, during_backward=True),
-                "set_requires_gradient_sync(False)",
-            ),
-            _fsdp_cell(
-                "whose state comes back",
-                "DCP save after 2 of 4 steps, a fresh model and optimizer load: each node's momentum",
-                Config(entry, (4,) * 4, per_node=2),
-                run=partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2)),
-            ),
-            _fsdp_cell(
-                "whose state comes back",
-                "torch.save of each rank's optimizer state_dict() to its own file, a fresh optimizer loads it",
-                Config(entry, (4,) * 4, per_node=2),
-                run=partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2), via="torch.save"),
-            ),
-            _fsdp_refusal(
-                entry,
-                "ranks out of step",
-                "rank 3 a step ahead, voted during backward: refused on every rank",
-                partial(fsdp_world.a_step_ahead, during_backward=True),
-                "VoteMismatchError",
-            ),
-        ]
-    cells.append(
-        _fsdp_cell(
-            "what the hook is handed",
-            "2 backwards per step, both reduced, voted in step(): the accumulated node means (rounding apart)",
-            Config("SignumMV", (3,) * 4, micro=2, per_node=2),
-            atol=1e-6,  # a flipped sign moves an entry by 2 lr
-            during_backward=False,
-            sync_all=True,
-        )
-    )
-    cells.append(
-        _fsdp_refusal(
-            "SignumMV",
-            "ranks out of step",
-            "rank 3 a step ahead, voted in step(): refused on every rank",
-            partial(fsdp_world.a_step_ahead, during_backward=False),
-            "VoteMismatchError",
-        )
-    )
-    return cells
 
 
 # --- what DDP hands the hook: a second backward, the Python reducer, requires_grad toggled ------
