@@ -111,6 +111,7 @@ class Run:
         model: "tied" (:class:`TiedNet`) or "gpt2".
         ahead: ranks that take one step more before ``consensus_state_dict``.
         fragments, delay, alpha, period: streaming rounds (F, τ, α; ``period`` each fragment's).
+        pairs: ranks 0, 1 and ranks 2, 3 each run their rounds over a process group of their own.
     """
 
     outer: bool = True
@@ -130,12 +131,13 @@ class Run:
     delay: int = 0
     alpha: float = 0.0
     period: int = PERIOD
+    pairs: bool = False
 
 
 # --- on every rank of the spawn -------------------------------------------------------------------
 
 
-def _build(run: Run, layout):
+def _build(run: Run, where: dict):
     model = _model(run.model)
     net = DDP(model) if run.ddp else model  # DDP first: its constructor copies rank 0's parameters
     averager = LocalStepAverager(
@@ -145,7 +147,7 @@ def _build(run: Run, layout):
         push=run.push,
         outer=OuterStep.diloco() if run.outer else None,
         module=model,
-        layout=layout,
+        **where,
         fragments=run.fragments,
         sync_delay=run.delay,
         update_alpha=run.alpha,
@@ -164,14 +166,14 @@ def _step(built, run: Run, rank: int, step: int) -> None:
         averager.average_parameters(opt.param_groups)
 
 
-def _resumed(built, run: Run, layout):
+def _resumed(built, run: Run, where: dict):
     """A save (each rank's model and optimizer, as a training script writes them) loaded into
     fresh objects."""
     model, _, _, opt = built
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    fresh = _build(run, layout)
+    fresh = _build(run, where)
     fresh[0].load_state_dict(saved["model"])
     if run.torch_state:
         from torch.distributed.optim import PostLocalSGDOptimizer
@@ -189,12 +191,14 @@ def _named(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torch.
 
 def train(rank: int, world_size: int, run: Run) -> dict:
     """This rank's parameters, the consensus state dict and a fresh model loaded with it."""
-    layout = node_layout(None, run.per_node) if run.per_node else None
-    built = _build(run, layout)
+    where = {"layout": node_layout(None, run.per_node) if run.per_node else None}
+    if run.pairs:  # every rank makes every group, in the same order
+        where["process_group"] = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    built = _build(run, where)
     for step in range(run.steps + (rank in run.ahead)):
         _step(built, run, rank, step)
         if step == run.resume_after:
-            built = _resumed(built, run, layout)
+            built = _resumed(built, run, where)
     model, _, averager, _ = built
     state = averager.consensus_state_dict(model)
     loaded = _model(run.model)
@@ -237,7 +241,8 @@ def _pull_push(params: list[torch.Tensor], targets: list[torch.Tensor], pull: fl
         p.copy_(p - pull * x + push * x / max(r, 1e-8))
 
 
-def _simulate(run: Run, world_size: int) -> list[dict]:
+def _simulate(run: Run, world_size: int, first: int = 0) -> list[dict]:
+    """Ranks ``first`` to ``first + world_size - 1``, the workers of one process group."""
     per = run.per_node or 1
     workers = world_size // per
     models = [_model(run.model) for _ in range(workers)]
@@ -251,7 +256,7 @@ def _simulate(run: Run, world_size: int) -> list[dict]:
     for step in range(run.steps):
         for w, (m, inner) in enumerate(zip(models, inners)):
             inner.zero_grad()
-            for rank in range(w * per, (w + 1) * per):  # a node's gradient: its ranks' mean
+            for rank in range(first + w * per, first + (w + 1) * per):  # a node's gradient: its ranks' mean
                 _loss(run.model, m, _tokens(run.model, rank, step), rank not in run.unused_on).backward()
             for p in m.parameters():
                 if p.grad is not None:
@@ -306,6 +311,8 @@ def simulate(run: Run, world_size: int) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs: the same float results
     try:
+        if run.pairs:  # two worlds of two ranks
+            return _simulate(run, 2) + _simulate(run, 2, first=2)
         return _simulate(run, world_size)
     finally:
         torch.set_num_threads(threads)

@@ -6,7 +6,7 @@ they cost no spawn of their own."""
 from __future__ import annotations
 
 from .cells import Cell
-from .rounds_world import AVERAGER, HOLDS, STATE, STEP, Run, rounds_cell
+from .rounds_world import AVERAGER, CONSENSUS, HOLDS, STATE, STEP, Run, rounds_cell
 
 STREAM = dict(fragments=2, delay=1, alpha=0.5)
 
@@ -36,4 +36,60 @@ def streaming_two_rank_cells() -> list[Cell]:
 
 
 def streaming_four_rank_cells() -> list[Cell]:
-    return []
+    nodes = dict(ddp=True, per_node=2)  # 2 nodes x 2 ranks
+    own = dict(pairs=True)  # ranks 0, 1 and ranks 2, 3: a process group each
+    return [
+        rounds_cell(
+            AVERAGER,
+            HOLDS,
+            "streaming DiLoCo on four ranks, the consensus asked for with a fragment's round in flight",
+            Run(period=4, steps=9, **STREAM),
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "streaming DiLoCo on four ranks under local_sgd, warm-up 2, resumed with a fragment's round in flight",
+            Run(ddp=True, warmup=2, period=4, steps=9, resume_after=4, **STREAM),
+        ),
+        rounds_cell(
+            AVERAGER,
+            HOLDS,
+            "node-aware streaming DiLoCo (2 x 2), the consensus asked for with a fragment's round in flight",
+            Run(period=4, steps=9, **nodes, **STREAM),
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "node-aware streaming DiLoCo (2 x 2) under local_sgd, warm-up 2, resumed with a fragment's round in flight",
+            Run(warmup=2, period=4, steps=9, resume_after=4, **nodes, **STREAM),
+        ),
+        rounds_cell(
+            CONSENSUS,
+            STEP,
+            "node-aware streaming DiLoCo (2 x 2), node 1's step more takes a fragment's round, node 0 asks for the consensus",
+            Run(period=4, steps=4, ahead=(2, 3), **nodes, **STREAM),
+            "different call, steps, parameters, shapes (rank 0: call=consensus_state_dict, steps=4",
+        ),
+        rounds_cell(
+            AVERAGER,
+            "who votes",
+            "streaming DiLoCo over a process group of one's own (ranks 0, 1 and 2, 3), a round in flight",
+            Run(period=4, steps=9, **own, **STREAM),
+        ),
+        rounds_cell(
+            CONSENSUS,
+            STEP,
+            "streaming DiLoCo over a process group of one's own, rank 0's step more takes a fragment's round, "
+            "rank 1 asks for the consensus",
+            Run(period=4, steps=4, ahead=(0, 2), **own, **STREAM),
+            "different call, steps, parameters, shapes (rank 0: call=a local-step round, steps=5",
+        ),
+        rounds_cell(
+            AVERAGER,
+            STEP,
+            "streaming DiLoCo over a process group of one's own, rank 1 lands a round a step ahead, "
+            "rank 0 asks for the consensus with it in flight",
+            Run(period=4, steps=5, ahead=(1, 3), **own, **STREAM),
+            "different call, steps, parameters, shapes (rank 0: call=consensus_state_dict, steps=5",
+        ),
+    ]
