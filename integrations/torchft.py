@@ -85,7 +85,8 @@ class FaultTolerantRounds:
         if len(averager.fragments) > 1 or averager.sync_delay:
             raise ValueError(
                 "FaultTolerantRounds rolls a whole round back when a replica is lost; streaming rounds (fragments=, "
-                "sync_delay=) keep a fragment's round in flight across steps, which it cannot roll back yet"
+                "sync_delay=) keep a fragment's round in flight across steps, which it cannot roll back: use "
+                "fragments=1 and sync_delay=0 here, or torchft's own streaming DiLoCo (torchft.local_sgd.DiLoCo)"
             )
         if averager.layout is not None:
             raise ValueError("FaultTolerantRounds runs flat rounds between replica groups; leave layout= unset")

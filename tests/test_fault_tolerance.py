@@ -237,12 +237,19 @@ def _refused_rounds_worker(rank, world_size):
                 None, LocalStepAverager(period=H, outer=OuterStep.diloco(), module=model, fragments=3), inner
             )
         ),
+        capture(
+            lambda: FaultTolerantRounds(
+                None, LocalStepAverager(period=H, outer=OuterStep.diloco(), module=model, sync_delay=1), inner
+            )
+        ),
     )
 
 
 def test_fault_tolerant_rounds_refuse_what_cannot_survive_a_loss():
-    no_outer, scaled_sign, not_a_manager, streaming = run_distributed(_refused_rounds_worker, 1)[0]
+    no_outer, scaled_sign, not_a_manager, streaming, delayed = run_distributed(_refused_rounds_worker, 1)[0]
     assert "with an outer step" in no_outer
     assert "scaled_sign" in scaled_sign and "sized by the number of replicas" in scaled_sign
     assert "TypeError" in not_a_manager and "torchft.Manager" in not_a_manager
-    assert "streaming rounds" in streaming and "cannot roll back" in streaming
+    for refusal in (streaming, delayed):  # each says what to run instead
+        assert "streaming rounds" in refusal and "fragments=1 and sync_delay=0" in refusal
+        assert "torchft.local_sgd.DiLoCo" in refusal

@@ -15,9 +15,21 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 __all__ = ["local_sgd", "register_local_sgd_hook"]
 
 
+_PER_RANK = (
+    "torch.distributed.checkpoint.state_dict keeps only the inner optimizer's state (not the averager's), and DCP "
+    "keeps one copy of what every rank saves under one name while local-step workers differ between rounds: save "
+    "each rank's model.state_dict() and this optimizer's state_dict() with torch.save, one file per rank"
+)
+
+
 class _RoundsOptimizer(PostLocalSGDOptimizer):
     """``PostLocalSGDOptimizer`` whose state dict holds the whole averager, not its step alone:
     a run resumed from it alone gets the consensus and outer momentum back too."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs:  # get_state_dict's step(closure=None), which would also step the averager
+            raise ValueError(f"local_sgd's optimizer takes no closure: {_PER_RANK}")
+        super().step()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -26,6 +38,8 @@ class _RoundsOptimizer(PostLocalSGDOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "averager" not in state_dict and "step" not in state_dict:
+            raise ValueError(f"local_sgd's optimizer state without the averager's step or state: {_PER_RANK}")
         if "averager" not in state_dict or not hasattr(self.averager, "load_state_dict"):
             super().load_state_dict(state_dict)  # torch's: the step alone
             return

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass
 from functools import partial
 
@@ -111,6 +113,8 @@ class Run:
         model: "tied" (:class:`TiedNet`) or "gpt2".
         ahead: ranks that take one step more before ``consensus_state_dict``.
         fragments, delay, alpha, period: streaming rounds (F, τ, α; ``period`` each fragment's).
+        dcp: resume through a DCP checkpoint (``get_state_dict``, ``dcp.save``, ``dcp.load``), into
+            ``"fresh"`` objects or ``"running"`` ones.
         pairs: ranks 0, 1 and ranks 2, 3 each run their rounds over a process group of their own.
     """
 
@@ -132,6 +136,7 @@ class Run:
     alpha: float = 0.0
     period: int = PERIOD
     pairs: bool = False
+    dcp: str = ""
 
 
 # --- on every rank of the spawn -------------------------------------------------------------------
@@ -185,6 +190,30 @@ def _resumed(built, run: Run, where: dict):
     return fresh
 
 
+def _dcp_resumed(built, run: Run, where: dict):
+    """A DCP checkpoint (``get_state_dict`` of the DDP model and local_sgd's optimizer, one folder
+    for every rank) loaded with ``set_state_dict`` into fresh objects (``run.dcp == "fresh"``) or
+    into the running ones."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    made = [tempfile.mkdtemp(prefix="signmuon-rounds-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, 0)
+    try:
+        model_state, optim_state = get_state_dict(built[1], built[3])
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=made[0])
+        fresh = _build(run, where) if run.dcp == "fresh" else built
+        model_state, optim_state = get_state_dict(fresh[1], fresh[3])
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=made[0])
+        set_state_dict(fresh[1], fresh[3], model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return fresh
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(made[0], ignore_errors=True)
+
+
 def _named(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=remove_duplicate)}
 
@@ -198,7 +227,7 @@ def train(rank: int, world_size: int, run: Run) -> dict:
     for step in range(run.steps + (rank in run.ahead)):
         _step(built, run, rank, step)
         if step == run.resume_after:
-            built = _resumed(built, run, where)
+            built = (_dcp_resumed if run.dcp else _resumed)(built, run, where)
     model, _, averager, _ = built
     state = averager.consensus_state_dict(model)
     loaded = _model(run.model)

@@ -32,6 +32,22 @@ def streaming_two_rank_cells() -> list[Cell]:
             Run(period=4, steps=5, ahead=(1,), **STREAM),
             "different call, steps, parameters, shapes (rank 0: call=consensus_state_dict, steps=5",
         ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "streaming DiLoCo under local_sgd, warm-up 2, a DCP checkpoint after step 5 with a fragment's round "
+            "in flight, loaded into fresh objects",
+            Run(ddp=True, warmup=2, period=4, steps=9, resume_after=4, dcp="fresh", **STREAM),
+            "one file per rank",
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "streaming DiLoCo under local_sgd, warm-up 2, a DCP checkpoint after step 5 with a fragment's round "
+            "in flight, loaded into the running objects",
+            Run(ddp=True, warmup=2, period=4, steps=9, resume_after=4, dcp="running", **STREAM),
+            "one file per rank",
+        ),
     ]
 
 
