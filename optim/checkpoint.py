@@ -15,6 +15,11 @@ from signmuon.comm_hooks.dist import from_host, gather_rows, group_device, group
 
 __all__ = ["gather_next_state_dict", "keep_saved_dtypes", "load_rank_state", "rank_state_dict", "refuse_load"]
 
+_SAVE_PER_RANK = (
+    "Save a file per rank (torch.save(opt.state_dict(), f'optimizer.rank{rank}.pt') on every rank, each loading its "
+    "own), or create the optimizer with checkpoint_all_ranks=True, whose state_dict() (then a collective) gathers "
+    "every rank's momentum into one file that every rank loads its part of"
+)
 _GATHER_ONCE: weakref.WeakSet = weakref.WeakSet()  # optimizers whose next state_dict() gathers every rank's
 
 
@@ -48,26 +53,30 @@ def rank_state_dict(optimizer, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def load_rank_state(optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+def load_rank_state(
+    optimizer, state_dict: dict[str, Any], *, refusal: str | None = None, remedy: str = _SAVE_PER_RANK
+) -> dict[str, Any]:
     """torch's part of ``state_dict`` for this rank, after checking that it fits ``optimizer``:
     the same world size, this rank's own momentum, param groups, and per parameter state keys,
     shapes and float dtypes (ValueError now, not at the next step).
 
     On several ranks, a state dict saved by :func:`rank_state_dict` is checked on every rank at
     once (one all-gather of two words: every rank loads, or every rank raises): a rank that
-    refuses alone would leave the others to train on, or hang in the next collective."""
+    refuses alone would leave the others to train on, or hang in the next collective.
+    ``refusal``: one the caller found itself, agreed on like the others; ``remedy``: what the
+    message for another rank's momentum tells the user to do instead."""
     extra = state_dict.get("signmuon", {"steps_taken": 0})
     checked = "signmuon" in state_dict
     state_dict = {k: v for k, v in state_dict.items() if k != "signmuon"}
     world_size, rank = group_size_rank(optimizer.process_group)
-    refusal = _world_refusal(extra, world_size)
+    refusal = refusal or _world_refusal(extra, world_size)
     saved_rank = rank if "rank_states" in extra or not _per_rank_momentum(optimizer) else extra.get("rank", rank)
     if refusal is None and "rank_states" in extra:
         state_dict["state"] = extra["rank_states"][rank]
-    if refusal is None:
+    if refusal is None and int(saved_rank) == rank:  # another rank's state: the message below says why
         refusal = _fit_refusal(optimizer, state_dict)
     if checked and world_size > 1:
-        _agree_to_load(optimizer.process_group, int(saved_rank), refusal)
+        _agree_to_load(optimizer.process_group, int(saved_rank), refusal, remedy)
     if refusal is not None:
         raise ValueError(refusal)
     return state_dict
@@ -107,7 +116,7 @@ def _fit_refusal(optimizer, state_dict: dict[str, Any]) -> str | None:
     return None
 
 
-def _agree_to_load(group, saved_rank: int, refusal: str | None) -> None:
+def _agree_to_load(group, saved_rank: int, refusal: str | None, remedy: str = _SAVE_PER_RANK) -> None:
     """Raise on every rank if any rank holds another rank's momentum or refuses its checkpoint."""
     _, rank = group_size_rank(group)
     row = from_host([saved_rank, int(refusal is not None)], torch.int64, group_device(group))
@@ -117,10 +126,7 @@ def _agree_to_load(group, saved_rank: int, refusal: str | None) -> None:
         loads = ", ".join(f"rank {r} loads rank {saved}'s" for r, saved in foreign)
         raise ValueError(
             f"the optimizer state of another rank is being loaded ({loads}; no rank loaded anything): each rank's "
-            "momentum is its own, so every rank would resume with the saving rank's. Save a file per rank "
-            "(torch.save(opt.state_dict(), f'optimizer.rank{rank}.pt') on every rank, each loading its own), or "
-            "create the optimizer with checkpoint_all_ranks=True, whose state_dict() (then a collective) gathers "
-            "every rank's momentum into one file that every rank loads its part of"
+            f"momentum is its own, so every rank would resume with the saving rank's. {remedy}"
         )
     others = [r for r, (_, refused) in enumerate(rows) if refused and r != rank]
     if others and refusal is None:

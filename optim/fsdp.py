@@ -22,7 +22,10 @@ Each node's momentum is its own, so the optimizer's state dict holds it as a DTe
 (N, *param.shape) on the (node, local) mesh; DCP writes every node's part. A checkpoint loads
 on the same number of nodes with any number of ranks per node (DCP reshards the rows). On a
 different number of nodes it cannot: :func:`check_checkpoint_layout`, called before
-``dcp.load``, raises naming both layouts (``dcp.load`` alone fails on the momentum's size).
+``dcp.load``, raises naming both layouts (``dcp.load`` alone fails on the momentum's size). A file per rank of ``opt.state_dict()`` also
+loads, on the layout it was saved on; one rank's file loaded on every rank (a single
+optimizer.pt saved on rank 0) is refused on every rank: the state dict carries a mark of which
+rank saved which part, laid out as the momentum, which DCP reshards with it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from signmuon.comm_hooks.dist import VoteMismatchError
+from signmuon.comm_hooks.dist import VoteMismatchError, group_size_rank
 from signmuon.comm_hooks.shard_vote import ShardSpec, ShardVoter
 
 from .checkpoint import load_rank_state
@@ -23,6 +23,14 @@ from .shards import vote_shards
 from .sign_vote import SignVoteOptimizer
 
 __all__ = ["ShardedExchange"]
+
+_MARK_COLUMNS = 2520  # splits evenly over 1..10 ranks per node, leaves every rank a column up to 50
+_USE_DCP = (
+    "On FSDP shards, save with torch.distributed.checkpoint (get_state_dict(model, opt) and dcp.save on every rank; "
+    "dcp.load and set_state_dict to resume, on any ranks per node), or save a file per rank "
+    "(torch.save(opt.state_dict(), f'optimizer.rank{rank}.pt') on every rank, each loading its own): not one "
+    "rank's optimizer file loaded on every rank"
+)
 
 
 @dataclass(eq=False)
@@ -141,7 +149,45 @@ class ShardedExchange(Exchange):
             }
         info = {"steps_taken": optimizer.steps_taken, "nodes": nodes, "ranks_per_node": per_node}
         groups = [{**g, "signmuon": info} for g in state["param_groups"]]
+        if groups:  # one mark, in the first group (DCP keeps only state and param groups)
+            groups[0]["signmuon"] = {**info, "mark": self._mark(group_size_rank(optimizer.process_group)[1])}
         return {"state": out, "param_groups": groups}
+
+    def _mark_row(self) -> tuple[torch.Tensor, int]:
+        """This rank's part of the mark (see :meth:`_mark`) without the saving rank, and N x C."""
+        nodes, per_node = self.mesh_shape
+        node, local = self.mesh.get_coordinate()
+        chunks = torch.arange(_MARK_COLUMNS, dtype=torch.int64).chunk(per_node)
+        columns = chunks[local] if local < len(chunks) else torch.zeros(0, dtype=torch.int64)
+        return node * _MARK_COLUMNS + columns, nodes * _MARK_COLUMNS
+
+    def _mark(self, rank: int) -> DTensor:
+        """Who saved which part of the state: entry (node, column) of an (N, C) DTensor laid out
+        as the momentum is holds node x C + column + the saving rank x N x C. DCP hands every rank
+        the entries of its own place, however it reshards the ranks of a node; a file of another
+        rank's state_dict() hands it that rank's."""
+        row, span = self._mark_row()
+        value = (row + rank * span).unsqueeze(0).to(self.mesh.device_type)
+        shape = torch.Size((self.mesh_shape[0], _MARK_COLUMNS))
+        return DTensor.from_local(
+            value, self.mesh, [Shard(0), Shard(1)], run_check=False, shape=shape, stride=(shape[1], 1)
+        )
+
+    def _saved_here(self, mark: Any, rank: int) -> tuple[int, str | None]:
+        """(the rank whose state this is, a refusal) from the loaded mark; ``rank``: this one's."""
+        if mark is None:
+            return rank, None  # saved before the mark existed: unchecked
+        loaded = (mark.to_local() if isinstance(mark, DTensor) else mark).detach().cpu().flatten()
+        row, span = self._mark_row()
+        if loaded.shape == row.shape and torch.equal(loaded % span, row):
+            return rank, None
+        saver = int(loaded[0]) // span if loaded.numel() else rank
+        if saver != rank:
+            return saver, None
+        return rank, (
+            f"rank {rank} is loading its own state_dict() of another layout of ranks per node: a file per rank loads "
+            f"on the layout it was saved on only. {_USE_DCP}"
+        )
 
     def _as_dtensor(self, param: torch.Tensor, value: torch.Tensor, *, per_node_state: bool) -> DTensor:
         if not per_node_state:
@@ -182,7 +228,14 @@ class ShardedExchange(Exchange):
             for index, values in state_dict.get("state", {}).items()
         }
         plain = [{k: v for k, v in g.items() if k != "signmuon"} for g in groups]
-        local = load_rank_state(optimizer, {"state": state, "param_groups": plain})
+        saver, refusal = self._saved_here(info.get("mark"), group_size_rank(optimizer.process_group)[1])
+        local = load_rank_state(
+            optimizer,
+            {"state": state, "param_groups": plain, "signmuon": {"steps_taken": info["steps_taken"], "rank": saver}},
+            refusal=refusal,
+            remedy=_USE_DCP,
+        )
+        local.pop("signmuon", None)
         return {**local, "signmuon": {"steps_taken": info["steps_taken"]}}
 
 

@@ -259,6 +259,11 @@ def test_config_without_our_types_is_plain_deepspeed():
             r"unknown params \['polar_after_vote'\] for optimizer SIGNUMMV",
         ),
         (
+            _config(optimizer_type="SignumMV")
+            | {"optimizer": {"type": "SignumMV", "params": {"lr": 0.1, "vote_in_step": True}}},
+            r"\['vote_in_step'\] in the DeepSpeed config's optimizer params.*overlap_backward=False",
+        ),
+        (
             _config(csv_monitor={"enabled": True, "output_path": "logs", "job_name": "../x"}),
             "csv_monitor.job_name='../x'",
         ),

@@ -338,6 +338,7 @@ def _checkpoint_worker(rank, world_size, path, per_node, phase):
         run(0, 2)
         model_state, optim_state = get_state_dict(net, opt)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        torch.save(opt.state_dict(), f"{path}.rank{rank}.pt")  # a file per rank, beside
         return run(2, 2), momenta()
     error = capture(lambda: check_checkpoint_layout(path, opt))
     if error is not None:
@@ -353,18 +354,23 @@ def _checkpoint_worker(rank, world_size, path, per_node, phase):
         return error
     assert opt.steps_taken == 2
     loaded = momenta()
-    return run(2, 2), loaded
+    # Its own rank's file of another layout: the mark shows another place, refused (DCP reshards).
+    own_file = capture(lambda: opt.load_state_dict(torch.load(f"{path}.rank{rank}.pt", weights_only=False)))
+    return run(2, 2), loaded, own_file
 
 
 def test_dcp_resume_is_bit_identical_and_a_different_node_count_is_refused(tmp_path):
     path = str(tmp_path / "checkpoint")
     continued = run_distributed(_checkpoint_worker, 4, path, 2, "save")
     resumed = run_distributed(_checkpoint_worker, 4, path, 2, "load")
-    for (a, _), (b, _) in zip(continued, resumed):
+    for (a, _), (b, _, own_file) in zip(continued, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "resume on the same layout"
+        assert own_file is None, own_file  # its own file on the layout it was saved on loads
     loaded = resumed[0][1]  # every node's momentum as loaded on 2 nodes x 2
     one_rank_nodes = run_distributed(_checkpoint_worker, 2, path, 1, "load")  # 2 nodes of 1 rank: DCP reshards the rows
     assert not isinstance(one_rank_nodes[0], str), one_rank_nodes[0]
+    for _, _, own_file in one_rank_nodes:
+        assert own_file is not None and "another layout of ranks per node" in own_file, own_file
     for key, value in loaded.items():
         assert value.shape[0] == 2 and torch.equal(one_rank_nodes[0][1][key], value), key
         assert not torch.equal(value[0], value[1]), "each node keeps its own momentum"

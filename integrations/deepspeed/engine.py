@@ -24,8 +24,27 @@ from .zero_engine import initialize_zero
 __all__ = ["OPTIMIZER_TYPES", "RANK_STATE_FILE", "check_supported", "initialize", "read_rank_file"]
 
 OPTIMIZER_TYPES = SIGN_OPTIMIZERS
-# Set by the integration itself, so not settable from the config.
-_RESERVED = ("process_group", "vote_in_step", "checkpoint_all_ranks", "vote", "master_weights")
+# Set by the integration itself, so not settable from the config: why, and what to do instead.
+_RESERVED = {
+    "process_group": "the vote runs over DeepSpeed's data-parallel group (engine.data_parallel_group); to vote "
+    "over other ranks, give deepspeed's mpu (initialize(..., mpu=...)), whose get_data_parallel_group() it uses",
+    "vote_in_step": "initialize(..., overlap_backward=False) votes in step()",
+    "checkpoint_all_ranks": "engine.save_checkpoint already keeps every rank's momentum, in a file per rank",
+    "vote": 'the vote is set by the config\'s top-level "vote" section',
+    "master_weights": 'they follow "bf16": {"enabled": true}',
+}
+
+
+def _refuse_reserved(spec: dict[str, Any], name: str) -> None:
+    """The same ValueError on every rank (the config is every rank's) before any collective."""
+    params = spec.get("params", {})
+    given = [key for key in _RESERVED if isinstance(params, dict) and key in params]
+    if given:
+        why = "; ".join(f"{key}: {_RESERVED[key]}" for key in given)
+        raise ValueError(
+            f"{given} in the DeepSpeed config's optimizer params for {name}: the integration sets them itself. "
+            f"Remove them from the config ({why})"
+        )
 
 
 def _deepspeed():
@@ -161,6 +180,7 @@ def initialize(
         )
     if optimizer is not None:
         raise ValueError(f"the config names optimizer {name!r} and an optimizer was passed too; give one")
+    _refuse_reserved(spec, name)
     if loaded.get("zero_optimization", {}).get("stage", 0):
         check_supported({**loaded, "zero_optimization": {}}, name)  # fp16 and bf16 settings
         return initialize_zero(

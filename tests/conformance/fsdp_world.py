@@ -100,9 +100,21 @@ def _own_file_load(net, opt, folder: str, rank: int) -> None:
     opt.load_state_dict(own["optim"])
 
 
-SAVES = {"dcp": (_dcp_save, _dcp_load), "torch.save": (_own_file_save, _own_file_load)}
-"""How a checkpoint is written and read: DCP (``get_state_dict``/``set_state_dict``), or each
-rank's model and optimizer ``state_dict()`` in a file of its own."""
+def _rank0_optimizer_load(net, opt, folder: str, rank: int) -> None:
+    """Each rank's own model, but rank 0's optimizer file on every rank (as a resume that saved
+    one optimizer.pt on rank 0 reads it)."""
+    net.load_state_dict(torch.load(f"{folder}/rank{rank}.pt", weights_only=False)["model"])
+    opt.load_state_dict(torch.load(f"{folder}/rank0.pt", weights_only=False)["optim"])
+
+
+SAVES = {
+    "dcp": (_dcp_save, _dcp_load),
+    "torch.save": (_own_file_save, _own_file_load),
+    "rank 0's file": (_own_file_save, _rank0_optimizer_load),
+}
+"""How a checkpoint is written and read: DCP (``get_state_dict``/``set_state_dict``), each
+rank's model and optimizer ``state_dict()`` in a file of its own, or rank 0's optimizer file
+loaded on every rank (refused)."""
 
 
 def resumed(rank: int, world_size: int, config: Config, at: int = 2, via: str = "dcp"):

@@ -85,6 +85,15 @@ def fsdp_cells() -> list[Cell]:
             ),
             _fsdp_refusal(
                 entry,
+                "whose state comes back",
+                "rank 0's optimizer state_dict() file loaded on every rank: refused on every rank, none hangs",
+                partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2), via="rank 0's file"),
+                "rank 3 loads rank 0's; no rank loaded anything): each rank's momentum is its own, so every rank would "
+                "resume with the saving rank's. On FSDP shards, save with torch.distributed.checkpoint",
+                bind=False,
+            ),
+            _fsdp_refusal(
+                entry,
                 "ranks out of step",
                 "rank 3 a step ahead, voted during backward: refused on every rank",
                 partial(fsdp_world.a_step_ahead, during_backward=True),

@@ -330,9 +330,10 @@ def stage0_cells() -> list[Cell]:
             Cell(
                 entry,
                 "who votes",
-                "process_group in the config's optimizer params: refused (the engine's group votes)",
+                "process_group in the config's optimizer params: refused on every rank, naming the mpu",
                 partial(stage0_group_given, name=name),
-                refusal="process_group",
+                refusal="process_group: the vote runs over DeepSpeed's data-parallel group (engine.data_parallel_group)"
+                "; to vote over other ranks, give deepspeed's mpu",
             ),
             cell("who has a gradient", "a head unused on rank 1, overlapped: rank 1 abstains on it", unused),
             cell("who has a gradient", "a head unused on rank 1, vote in step(): it abstains", unused, overlap=False),
