@@ -28,8 +28,9 @@ which computes the same thing from unsharded node means.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,9 @@ from .dist import (
     agree,
     all_reduce,
     all_to_all,
+    from_host,
     group_device,
+    host_words,
     mean_all_reduce,
     nonfinite_flag,
 )
@@ -131,16 +134,35 @@ class ShardVoter:
             raise error
         self.pending = self.pending or error
 
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Run a rail collective of the caller's (a whole vote step) under this voter's rule: a
+        ``VoteMismatchError`` it raises waits for :meth:`settle` where mismatches are deferred."""
+        try:
+            yield
+        except VoteMismatchError as error:
+            self._mismatch(error)
+
     def settle(self, hint: str = "") -> None:
         """Raise a mismatch deferred on any rank of this node, on every rank (one tiny all-reduce
-        in the node; every rail reaches every node, so one hop tells every rank)."""
-        flag = torch.tensor([int(self.pending is not None)], dtype=torch.int32, device=self.device)
+        in the node, read once; every rail reaches every node, so one hop tells every rank)."""
+        flag = self.pending_flag()
         if self.layout.node_group is not None and self.layout.ranks_per_node > 1:
             all_reduce(flag, self.layout.node_group, op="max")
+        self.raise_agreed(bool(host_words(flag)[0]), hint)
+
+    def pending_flag(self) -> torch.Tensor:
+        """1 where this rank holds a deferred mismatch, else 0: one int64 word on the device, made
+        without a stall, for an agreement over the node or wider (settle's, or one the caller runs anyway)."""
+        return from_host([int(self.pending is not None)], torch.int64, self.device)
+
+    def raise_agreed(self, any_pending: bool, hint: str = "") -> None:
+        """Given whether any rank of the agreement on :meth:`pending_flag` held a mismatch: raise
+        it on every rank (where this rank held one, its own), and forget it."""
         error, self.pending = self.pending, None
         if error is not None:
             raise VoteMismatchError(f"{error}{hint}") from error
-        if int(flag.item()):
+        if any_pending:
             raise VoteMismatchError(
                 "another rank of this node met ranks of other nodes at a different vote (another step, or another "
                 f"FSDP unit) and raised VoteMismatchError: every rank stops at the same place{hint}"

@@ -130,6 +130,24 @@ def _resume_run(rank, folder, stage, name="SignumMV"):
     return full, train_engine(engine, model, rank, 2, 2, start=2)
 
 
+def _step_reads(rank, name):
+    """Host reads by our code in each ``engine.step()`` (torch kernels: the CPU ones read their own buffers)."""
+    from tests.gpu_world import counting_host_reads
+
+    model = zero_model()
+    config = ds_config(2, 1, name)
+    config["vote"]["kernels"] = "torch"
+    engine, _, _, _ = initialize(model=model, config=config)
+    per_step = []
+    for step in range(3):
+        x, y = micro_batch(rank, step, 0)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        with counting_host_reads() as reads:
+            engine.step()
+        per_step.append((reads.total, dict(reads.sites)))
+    return per_step
+
+
 def _state_bytes(optimizer):
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
@@ -178,6 +196,8 @@ def _robustness(rank, world_size, folder, docs_config):
         engine, zero_opt, _, _ = initialize(model=model, config=ds_config(2, 1, name, bf16={"enabled": True}))
         out[("bf16", name)] = _train_bf16(engine, model, rank)
     out["muon_state_bytes"] = _state_bytes(zero_opt.optimizer.optimizer)  # SignMuon's, on the model's parameters
+    for name in ("SignumMV", "SignMuon"):
+        out[("reads", name)] = _step_reads(rank, name)
     return out
 
 
@@ -224,6 +244,11 @@ def test_zero_nan_checkpoint_layout_and_bf16(tmp_path):
         assert result["muon_state_bytes"] <= (1 / L + 0.05) * 4 * total, (result["muon_state_bytes"], total)
     assert sum(r["muon_state_bytes"] for r in results[:L]) == 4 * total  # the node's momentum, once, in fp32
     assert [f"signmuon_optimizer_rank{r:05d}.pt" in results[0]["files"] for r in range(4)] == [True] * 4
+    for result in results:  # per step: the overflow check's one read, which also agrees on the step and
+        # settles the voter's deferred mismatches (they read no word of their own), and three of the vote's
+        for name in ("SignumMV", "SignMuon"):
+            reads = result[("reads", name)]
+            assert [total for total, _ in reads[1:]] == [4, 4], (name, reads)
 
 
 @pytest.mark.parametrize(

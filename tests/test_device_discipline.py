@@ -179,6 +179,24 @@ def test_the_fsdp_voter_reads_twice_per_step(owner):
     assert reads == [2, 2, 2], (reads, world.reads)
 
 
+def test_the_voters_settle_reads_once_and_raises_what_a_rail_deferred():
+    """The node's agreement on deferred mismatches (FSDP2's, after each backward): its word goes
+    up without a stall and comes back in one read; a mismatch kept by ``deferring`` raises there."""
+    from signmuon.comm_hooks import VoteMismatchError
+
+    with gpu_world(4, rank=1) as world:
+        voter = ShardVoter(node_layout(None, 2), VoteConfig(), CommStats(), defer_mismatch=True)
+        world.reads.reset()
+        voter.settle()
+        assert world.reads.total == 1, world.reads
+        with voter.deferring():
+            raise VoteMismatchError("rail 1 at another step")
+        with pytest.raises(VoteMismatchError, match="rail 1 at another step. hint"):
+            voter.settle(". hint")
+        voter.settle()  # raised once, then forgotten
+        assert not world.misplaced, world.misplaced
+
+
 def test_the_fsdp_unit_vote_reads_the_host_on_its_worker_not_on_the_autograd_thread():
     """FSDP2's hooks (run by backward) only queue a unit's vote; its two reads per call happen
     on the worker thread, and the autograd engine's final callback joins it."""

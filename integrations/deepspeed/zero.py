@@ -27,7 +27,8 @@ What the integration adds around DeepSpeed's step (each agreed across every rank
 
 * a non-finite gradient anywhere skips the whole step on every rank (DeepSpeed's overflow
   check, its flag all-reduced over all ranks instead of the node), or raises ``NonFiniteError``
-  on every rank with ``"vote": {"nonfinite": "raise"}``;
+  on every rank with ``"vote": {"nonfinite": "raise"}``; the same all-reduce checks that every
+  rank is at the same step (else ``VoteMismatchError`` on every rank, before any votes);
 * the model is broadcast from rank 0 to every rank before DeepSpeed's in-node broadcast;
 * checkpoints: DeepSpeed's own files come from node 0 only (every node would write the same
   names), and each rank keeps its momentum partition in its own file (``RANK_STATE_FILE``).
@@ -47,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import NonFiniteError, VoteConfig, VoteMismatchError
-from signmuon.comm_hooks.dist import all_reduce, flatten, gather_rows, group_device, unflatten_into
+from signmuon.comm_hooks.dist import all_reduce, flatten, from_host, gather_rows, host_words, unflatten_into
+from signmuon.comm_hooks.shard_vote import ShardVoter
+from signmuon.comm_hooks.vote import NodeLayout
 
 __all__ = ["NodePartitionMPU", "ZeroLayout", "check_zero_config", "zero_layout"]
 
@@ -68,6 +71,11 @@ class ZeroLayout:
     """The ranks of this rank's local index, one per node: the vote runs here (this rank alone when N == 1)."""
     world_group: Any
     """Every rank (the data-parallel world DeepSpeed sees)."""
+
+    def node_layout(self) -> NodeLayout:
+        """The same as the vote's :class:`~signmuon.comm_hooks.vote.NodeLayout` (no node group when L == 1)."""
+        world, rank, L = dist.get_world_size(), dist.get_rank(), self.ranks_per_node
+        return NodeLayout(world, rank, L, self.nodes, self.node_group if L > 1 else None, self.rail_group)
 
 
 def zero_layout(ranks_per_node: int | None) -> ZeroLayout:
@@ -203,50 +211,49 @@ def broadcast_model(model: torch.nn.Module) -> None:
         unflatten_into(all_reduce(flat, None), same)
 
 
-def agree_overflow(zero_optimizer, vote: VoteConfig, stats) -> None:
-    """Make ZeRO's overflow check one decision over every rank: a NaN or Inf in any rank's
-    partition skips the step everywhere (counted in ``stats.skipped``), or raises
-    ``NonFiniteError`` on every rank with ``nonfinite="raise"``."""
+def agree_step(zero_optimizer, optimizer, voter: ShardVoter, vote: VoteConfig) -> None:
+    """Make ZeRO's overflow check, all-reduced over every rank, also the check that every rank is
+    at the same step, and the settling of ``voter``'s deferred mismatches: one all-reduce, read once.
+
+    Ranks out of step raise ``VoteMismatchError`` on every rank before any votes (a rail would
+    refuse them, and the node's other rails wait for it in DeepSpeed's all-gather). A mismatch the
+    voter deferred all the same (its rail idle, so no rank hangs) raises here, at the next step. A
+    NaN or Inf in any rank's partition skips the step everywhere (counted in ``optimizer.stats.skipped``),
+    or raises ``NonFiniteError`` on every rank with ``nonfinite="raise"``."""
     local = zero_optimizer.has_overflow_partitioned_grads_serial
 
     def has_overflow(partition_gradients=True) -> bool:
-        flag = local().to(torch.float32).reshape(1)
-        all_reduce(flag, None, op="max")
-        if not bool(flag.item()):
+        step = optimizer.steps_taken
+        words = torch.cat([voter.pending_flag(), from_host([step, -step], torch.int64, voter.device)])
+        words = torch.cat([local().to(words.device, torch.int64).reshape(1), words])  # the flag stays on the device
+        all_reduce(words, None, op="max")
+        overflow, pending, highest, lowest = host_words(words)  # the one read of the step
+        voter.raise_agreed(bool(pending))  # first: a rail that raised may have stopped short of counting its step
+        if highest != -lowest:
+            raise VoteMismatchError(
+                f"ranks entered the optimizer step at different steps (from {-lowest} to {highest}) and "
+                "raised VoteMismatchError: no rank steps; resume every rank from the same checkpoint"
+            )
+        if not overflow:
             return False
         if vote.nonfinite == "raise":
             raise NonFiniteError("NaN or Inf in a node's mean gradient: no rank steps (nonfinite='raise')")
-        stats.skipped += 1
+        optimizer.stats.skipped += 1
         return True
 
     zero_optimizer.has_overflow = has_overflow
     zero_optimizer.check_grad_overflow = True  # fp32 and bf16 too: a skip must be every rank's
 
 
-def agree_mismatch(optimizer, layout: ZeroLayout) -> None:
-    """Make a rail's ``VoteMismatchError`` every rank's (ranks out of step): the rail that met a
-    rank at another step raises, the node's other rails do not, and would wait for it in
-    DeepSpeed's all-gather. After each step, one tiny all-reduce in the node tells every rank
-    (every rail reaches every node), and every rank raises."""
+def defer_mismatch(optimizer, voter: ShardVoter) -> None:
+    """Let a rail's ``VoteMismatchError`` in ``optimizer.step`` wait for :func:`agree_step`: the
+    step does nothing on that rail, and DeepSpeed's all-gather in the node, where the node's other
+    rails wait, goes on."""
     step = optimizer.step
-    if layout.ranks_per_node == 1:
-        return  # the rail is every rank: it raises everywhere already
 
-    def agreed_step(*args, **kwargs):
-        error = result = None
-        try:
-            result = step(*args, **kwargs)
-        except VoteMismatchError as raised:
-            error = raised
-        flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=group_device(layout.node_group))
-        all_reduce(flag, layout.node_group, op="max")
-        if error is not None:
-            raise error
-        if int(flag.item()):
-            raise VoteMismatchError(
-                "another rank of this node met ranks of other nodes at a different step and raised "
-                "VoteMismatchError: no rank steps; resume every rank from the same checkpoint"
-            )
-        return result
+    def deferring_step(*args, **kwargs):
+        with voter.deferring():
+            return step(*args, **kwargs)
+        return None
 
-    optimizer.step = agreed_step
+    optimizer.step = deferring_step

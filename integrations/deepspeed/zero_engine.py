@@ -13,16 +13,17 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks import VoteConfig
 from signmuon.comm_hooks.dist import barrier, gather_rows
+from signmuon.comm_hooks.shard_vote import ShardVoter
 from signmuon.optim import sign_optimizer_from_spec
 
 from .checkpoints import RANK_STATE_FILE, read_rank_file
 from .zero import (
     NodePartitionMPU,
     ZeroLayout,
-    agree_mismatch,
-    agree_overflow,
+    agree_step,
     broadcast_model,
     check_zero_config,
+    defer_mismatch,
     refuse_model,
     zero_layout,
 )
@@ -80,13 +81,16 @@ def initialize_zero(deepspeed, *, model, config: dict, name: str, reserved, kwar
     if name.lower() in WHOLE_TENSOR_OPTIMIZERS:
         settings = {k: v for k, v in groups[0].items() if k != "params"}
         opt, base = sign_muon_on_partitions(zero_optimizer, spec, settings, layout, vote, reserved)
+        voter = opt.exchange.voter  # its exchange's: the rail idle after a mismatch, all-to-alls going on
     else:
         opt = base = sign_optimizer_from_spec(spec, groups, **options, process_group=layout.rail_group)
-        agree_mismatch(base, layout)  # SignMuon's exchange settles its own (ShardVoter.settle)
+        # the same rule for the step's own vote (L == 1: the rail is every rank, it raises everywhere now)
+        voter = ShardVoter(layout.node_layout(), vote, opt.stats, defer_mismatch=layout.ranks_per_node > 1)
+        defer_mismatch(base, voter)
     zero_optimizer.optimizer = base
     if getattr(scheduler, "optimizer", None) is placeholder:
         scheduler.optimizer = base
-    agree_overflow(zero_optimizer, vote, opt.stats)
+    agree_step(zero_optimizer, opt, voter, vote)
     if dist.get_rank() >= layout.ranks_per_node:  # DeepSpeed's files: node 0 writes them, the others would clash
         engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False
     checkpoint_zero_per_rank(engine, opt, layout)

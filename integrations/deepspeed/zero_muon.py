@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks.dist import check_same_settings
 from signmuon.comm_hooks.shard_vote import ShardVoter
-from signmuon.comm_hooks.vote import NodeLayout, VoteConfig
+from signmuon.comm_hooks.vote import VoteConfig
 from signmuon.optim import sign_optimizer_from_spec
 from signmuon.optim.exchanges import Exchange, Exchanged
 from signmuon.optim.shards import shard_specs, vote_shards
@@ -103,9 +103,7 @@ class ZeroExchange(Exchange):
         rank, L = dist.get_rank(), nodes.ranks_per_node
         self.partition, self.layout, self.ranks_per_node = partition, layout, L
         self.pieces = {p: layout.piece(p, rank % L) for p in layout.ranges}
-        self.node_layout = NodeLayout(
-            dist.get_world_size(), rank, L, nodes.nodes, nodes.node_group if L > 1 else None, nodes.rail_group
-        )
+        self.node_layout = nodes.node_layout()
         self.voter: ShardVoter | None = None
         """The vote's communication (made once the optimizer serves: it counts into its stats)."""
         self.specs: dict = {}
@@ -123,7 +121,8 @@ class ZeroExchange(Exchange):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if len(params) != len(self.pieces) or set(params) != set(self.pieces):
             raise ValueError("the optimizer on ZeRO partitions must hold exactly the parameters DeepSpeed partitions")
-        # a rail's mismatch waits for settle(): the node's other rails meet it in the all-to-all first
+        # a rail's mismatch waits for the next step's agreement (.zero.agree_step): the node's other
+        # rails meet this rail in the all-to-alls first
         self.voter = ShardVoter(self.node_layout, optimizer.vote_config, optimizer.stats, defer_mismatch=True)
         self.specs = shard_specs(optimizer, self.ranks_per_node, self.layout.ranges)
 
@@ -142,11 +141,7 @@ class ZeroExchange(Exchange):
             )
         grads = [grad.narrow(0, *self.pieces[p]) for p in params]
         step = optimizer.steps_taken
-        exchanged = vote_shards(
-            optimizer, self.voter, params, grads, self.specs, label=f"{name} step {step}", mean_tag=step
-        )
-        self.voter.settle()  # a rail's mismatch raises on every rank of the node, so on every rank
-        return exchanged
+        return vote_shards(optimizer, self.voter, params, grads, self.specs, label=f"{name} step {step}", mean_tag=step)
 
 
 class PartitionStep:

@@ -153,7 +153,8 @@ def zero_cells() -> list[Cell]:
 
 
 def out_of_step_cells() -> list[Cell]:
-    """One rank a step ahead: its rail refuses, and the node's other rails learn it (every rank raises)."""
+    """One rank a step ahead: the overflow check, all-reduced over every rank, also compares the steps
+    (every rank raises before any votes)."""
     return [
         Cell(
             _entry(stage, name),
