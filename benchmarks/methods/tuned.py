@@ -19,7 +19,7 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
         "adamw": 4.0,  # 1.983 ± 0.036 (x2 2.049, x8 2.000)
         "muon_adamw": 2.0,  # 1.896 ± 0.021 (x1 1.973, x4 2.002)
         "powersgd_adamw": 4.0,  # seed 0 only: 2.142 (x2 2.181, x8 2.169; x1 2.278 in 12-03-rates)
-        "powersgd_adamw_r1": 2.0,  # seed 0 only: 2.391 (x1 2.409, x4 2.440, x8 2.419)
+        "powersgd_adamw_r1": 2.0,  # seed 0 only: 2.391 (x1 2.408, x4 2.440, x8 2.419)
         "powersgd_adamw_r2": 2.0,  # seed 0 only: 2.282 (x1 2.347, x4 2.293, x8 2.317)
         "signmuon": 4.0,  # 1.889 ± 0.010 (x2 1.891, x8 2.020)
         "signmuon_fan_in": 1.0,  # 2.052 ± 0.039 (x0.5 2.139, x2 2.158)
