@@ -19,7 +19,8 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
         "adamw": 4.0,  # 1.983 ± 0.036 (x2 2.049, x8 2.000)
         "muon_adamw": 2.0,  # 1.896 ± 0.021 (x1 1.973, x4 2.002)
         "powersgd_adamw": 4.0,  # seed 0 only: 2.142 (x2 2.181, x8 2.169; x1 2.278 in 12-03-rates)
-        "powersgd_adamw_r1": 2.0,  # seed 0 only: 2.391 (x4 2.440, x8 2.419; x1 not run)
+        "powersgd_adamw_r1": 2.0,  # seed 0 only: 2.391 (x1 2.408, x4 2.440, x8 2.419)
+        "powersgd_adamw_r2": 2.0,  # seed 0 only: 2.282 (x1 2.347, x4 2.293, x8 2.317)
         "signmuon": 4.0,  # 1.889 ± 0.010 (x2 1.891, x8 2.020)
         "signmuon_fan_in": 1.0,  # 2.052 ± 0.039 (x0.5 2.139, x2 2.158)
         "signum_mv": 4.0,  # 2.035 ± 0.020 (x2 2.060, x8 2.122)
@@ -36,7 +37,12 @@ TUNED_LR_SCALES: dict[str, dict[str, float]] = {
 SWEEPS = {
     "charlm": ", ".join(
         ["2026-12-03-sweep-charlm.json", "2026-12-03-sweep-charlm-wider.json"]
-        + [f"2026-12-07-powersgd-sweep-charlm-r{r}-x{x}.json" for r in (1, 4) for x in (2, 4, 8)]
+        + [
+            f"2026-12-07-powersgd-sweep-charlm-r{r}-x{x}.json"
+            for r in (1, 2, 4)
+            for x in (1, 2, 4, 8)
+            if (r, x) != (4, 1)  # rank 4 at x1 is its default run, in 2026-12-03-rates-charlm.json
+        ]
     ),
     "digits": "2026-12-03-sweep-digits.json",
 }
