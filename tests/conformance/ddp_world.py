@@ -21,6 +21,8 @@ from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 
 LR, BETA = 0.01, 0.9
 EXACT = VoteConfig(tie="exact")
+GROUPS = ((0.01, 0.1), (0.03, 0.0), (0.002, 0.5))
+"""(lr, weight_decay) of body.0, body.2 and extra where ``Config.param_groups``."""
 
 ENTRIES = {
     "hook-signsgd": "sign_vote_hook, signSGD-MV",
@@ -66,6 +68,10 @@ class Config:
     """Every micro-batch's backward syncs (a second backward before ``step()``, no ``no_sync``)."""
     set_to_none: bool = True
     """``zero_grad``'s: False zeroes the gradients in place."""
+    ddp_kwargs: tuple[tuple[str, object], ...] = ()
+    """More of DDP's constructor options (static_graph, gradient_as_bucket_view, bucket_cap_mb)."""
+    param_groups: bool = False
+    """Three groups (body.0, body.2, extra) with :data:`GROUPS`' lr and weight_decay."""
 
     @property
     def vote(self) -> VoteConfig:
@@ -124,6 +130,9 @@ def _groups(config: Config, rank: int):
 def _optimizer(config: Config, net: Net, given):
     options = dict(process_group=given, vote_in_step=config.in_step, vote=config.vote)
     params = list(net.body.parameters()) if config.added_later else list(net.parameters())
+    if config.param_groups:
+        layers = (net.body[0], net.body[2], net.extra)
+        params = [dict(params=list(m.parameters()), lr=lr, weight_decay=wd) for m, (lr, wd) in zip(layers, GROUPS)]
     kind = config.entry.split("-")[0]
     if kind == "SignMuon":
         opt = SignMuon(params, lr=LR, momentum=BETA, **options)
@@ -145,7 +154,8 @@ def train(rank: int, world_size: int, config: Config) -> list[torch.Tensor]:
         for p in net.parameters():  # what DDP's start-up broadcast gives: rank 0's weights
             dist.broadcast(p.data, 0)
     else:
-        model = DDP(net, process_group=group, find_unused_parameters=bool(config.unused_on))
+        options = {"find_unused_parameters": bool(config.unused_on), **dict(config.ddp_kwargs)}
+        model = DDP(net, process_group=group, **options)
         if config.entry.startswith("hook-"):
             momentum = BETA if config.entry == "hook-signum" else 0.0
             state = SignVoteState(given, momentum=momentum, start_iter=config.warmup, vote=config.vote)
@@ -254,7 +264,11 @@ def _simulate_group(config: Config, workers: tuple[int, ...]) -> list[torch.Tens
         for i, p in enumerate(params):
             directions = [_direction(config, grads[w][i] if grads[w] else None, momenta[w][i], i) for w in voters]
             voted.append(torch.sign(sum(torch.sign(d) for d in directions)))
-        params = [p.add(v, alpha=-LR) for p, v in zip(params, voted)]
+        if config.param_groups:  # decoupled: W * (1 - lr * wd) - lr * vote
+            hyper = [h for h in GROUPS for _ in range(2)]
+            params = [p * (1 - lr * wd) - lr * v for p, v, (lr, wd) in zip(params, voted, hyper)]
+        else:
+            params = [p.add(v, alpha=-LR) for p, v in zip(params, voted)]
     return params
 
 

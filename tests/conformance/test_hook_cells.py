@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignumMV
 
-from . import scaler_world
+from . import options_world, scaler_world
 from .cells import Cell, check_cells
 from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
 from .ddp_world import _optimizer as _ddp_optimizer
@@ -139,8 +139,46 @@ def overflow_cells() -> list[Cell]:
     return scaler_world.scaler_cells()
 
 
+def ddp_option_cells() -> list[Cell]:
+    """DDP's constructor options, parameter groups with their own lr and weight_decay, and what
+    :mod:`.options_world` runs (an Embedding in AdamW, channels_last, two models, a reordered load)."""
+    static, view = (("static_graph", True),), (("gradient_as_bucket_view", True),)
+    tiny = (("bucket_cap_mb", 1e-4),)
+    cells = []
+    for entry in ("SignumMV", "SignMuon", "hook-signum"):
+        cells += [
+            _cell(
+                "what the hook is handed",
+                "static_graph=True, find_unused_parameters, a head unused on rank 1",
+                Config(entry, unused_on=(1,), ddp_kwargs=static),
+            ),
+            _cell(
+                "what the hook is handed",
+                "gradient_as_bucket_view=True, 2 micro-batches under no_sync, zero_grad(set_to_none=False)",
+                Config(entry, micro=2, set_to_none=False, ddp_kwargs=view),
+            ),
+        ]
+    for entry in ("SignSGDMV", "hook-signsgd"):
+        cells.append(
+            _cell(
+                "what the hook is handed",
+                "bucket_cap_mb=1e-4 (a bucket per parameter), find_unused_parameters, a head unused on rank 1",
+                Config(entry, unused_on=(1,), ddp_kwargs=tiny),
+            )
+        )
+    for entry in ("SignumMV", "SignSGDMV", "SignumMV-in-step"):
+        cells.append(
+            _cell(
+                "what the optimizer holds",
+                "3 parameter groups, each its own lr and weight_decay, zero_grad(set_to_none=False)",
+                Config(entry, param_groups=True, set_to_none=False),
+            )
+        )
+    return cells + options_world.option_cells()
+
+
 def test_hooks_and_optimizers_on_two_ranks():
-    check_cells(two_rank_cells() + overflow_cells() + handed_cells(), 2)
+    check_cells(two_rank_cells() + overflow_cells() + handed_cells() + ddp_option_cells(), 2)
 
 
 def test_who_votes_on_four_ranks():  # and the FSDP2 cells, 2 nodes x 2, in the same process group
