@@ -143,7 +143,7 @@ class FaultTolerantRounds:
         saved_params, saved_averager = before
         for p, saved in zip(params, saved_params):
             p.copy_(saved)
-        self.averager.load_state_dict(saved_averager)
+        self.averager.load_state_dict(saved_averager, any_rank=True)  # its own, with no collective: a peer is lost
         self.averager.step = saved_averager["step"] + 1  # the local step stands; only the round is undone
 
     def state_dict(self) -> dict[str, Any]:
@@ -160,5 +160,5 @@ class FaultTolerantRounds:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.averager.load_state_dict(state["averager"])
+        self.averager.load_state_dict(state["averager"], any_rank=True)  # a survivor's, on purpose
         self.heals += 1

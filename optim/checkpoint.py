@@ -13,12 +13,23 @@ import torch.distributed as dist
 
 from signmuon.comm_hooks.dist import from_host, gather_rows, group_device, group_size_rank
 
-__all__ = ["gather_next_state_dict", "keep_saved_dtypes", "load_rank_state", "rank_state_dict", "refuse_load"]
+__all__ = [
+    "agree_to_load",
+    "gather_next_state_dict",
+    "keep_saved_dtypes",
+    "load_rank_state",
+    "rank_state_dict",
+    "refuse_load",
+]
 
 _SAVE_PER_RANK = (
     "Save a file per rank (torch.save(opt.state_dict(), f'optimizer.rank{rank}.pt') on every rank, each loading its "
     "own), or create the optimizer with checkpoint_all_ranks=True, whose state_dict() (then a collective) gathers "
     "every rank's momentum into one file that every rank loads its part of"
+)
+_FOREIGN_MOMENTUM = (
+    "the optimizer state of another rank is being loaded ({loads}; no rank loaded anything): each rank's momentum "
+    "is its own, so every rank would resume with the saving rank's. {remedy}"
 )
 _GATHER_ONCE: weakref.WeakSet = weakref.WeakSet()  # optimizers whose next state_dict() gathers every rank's
 
@@ -76,7 +87,7 @@ def load_rank_state(
     if refusal is None and int(saved_rank) == rank:  # another rank's state: the message below says why
         refusal = _fit_refusal(optimizer, state_dict)
     if checked and world_size > 1:
-        _agree_to_load(optimizer.process_group, int(saved_rank), refusal, remedy)
+        agree_to_load(optimizer.process_group, int(saved_rank), refusal, remedy)
     if refusal is not None:
         raise ValueError(refusal)
     return state_dict
@@ -88,7 +99,7 @@ def refuse_load(optimizer, error: Exception) -> NoReturn:
     hangs. Call it on every rank that cannot reach ``load_state_dict``."""
     world_size, rank = group_size_rank(optimizer.process_group)
     if world_size > 1:
-        _agree_to_load(optimizer.process_group, rank, f"{type(error).__name__}: {error}")
+        agree_to_load(optimizer.process_group, rank, f"{type(error).__name__}: {error}")
     raise error
 
 
@@ -116,22 +127,29 @@ def _fit_refusal(optimizer, state_dict: dict[str, Any]) -> str | None:
     return None
 
 
-def _agree_to_load(group, saved_rank: int, refusal: str | None, remedy: str = _SAVE_PER_RANK) -> None:
-    """Raise on every rank if any rank holds another rank's momentum or refuses its checkpoint."""
+def agree_to_load(
+    group,
+    saved_rank: int,
+    refusal: str | None = None,
+    remedy: str = _SAVE_PER_RANK,
+    *,
+    foreign: str = _FOREIGN_MOMENTUM,
+) -> None:
+    """Raise on every rank of ``group`` if any rank loads a state another rank saved (``saved_rank``,
+    its rank in ``group``) or refuses its own (``refusal``): one all-gather of two words, on every
+    rank before anything is loaded. ``foreign``: the message for another rank's state, formatted
+    with ``loads`` (``"rank 1 loads rank 0's"``) and ``remedy``."""
     _, rank = group_size_rank(group)
     row = from_host([saved_rank, int(refusal is not None)], torch.int64, group_device(group))
     rows = gather_rows(row, group).tolist()
-    foreign = [(r, saved) for r, (saved, _) in enumerate(rows) if saved != r]
-    if foreign and refusal is None:
-        loads = ", ".join(f"rank {r} loads rank {saved}'s" for r, saved in foreign)
-        raise ValueError(
-            f"the optimizer state of another rank is being loaded ({loads}; no rank loaded anything): each rank's "
-            f"momentum is its own, so every rank would resume with the saving rank's. {remedy}"
-        )
-    others = [r for r, (_, refused) in enumerate(rows) if refused and r != rank]
+    others = [(r, saved) for r, (saved, _) in enumerate(rows) if saved != r]
     if others and refusal is None:
+        loads = ", ".join(f"rank {r} loads rank {saved}'s" for r, saved in others)
+        raise ValueError(foreign.format(loads=loads, remedy=remedy))
+    refused = [r for r, (_, no) in enumerate(rows) if no and r != rank]
+    if refused and refusal is None:
         raise ValueError(
-            f"rank(s) {others} cannot load their checkpoint (their error says why), so no rank loads its own"
+            f"rank(s) {refused} cannot load their checkpoint (their error says why), so no rank loads its own"
         )
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from signmuon.comm_hooks.dist import settings_digest
+from signmuon.comm_hooks.dist import group_size_rank, settings_digest
+from signmuon.optim.checkpoint import agree_to_load
 
 from .consensus import agree_on_call
 from .members import consensus_state, trained
@@ -17,6 +18,17 @@ from .settings import averager_settings
 from .streaming import Fragment
 
 __all__ = ["SavedRounds"]
+
+_FOREIGN = (
+    "the rounds' state of another rank is being loaded ({loads}): between rounds each worker's parameters and inner "
+    "optimizer state are its own, and DCP (like a file one rank saves) keeps one copy of what every rank saves under "
+    "one name, so every rank would resume with one rank's. {remedy}"
+)
+_PER_RANK = (
+    "Save a file per rank with torch.save (model.state_dict(), the optimizer's and averager.state_dict() in "
+    "f'rounds.rank{rank}.pt', each rank loading its own), or restart every rank from the workers' average: "
+    "averager.consensus_state_dict(model)"
+)
 
 
 class SavedRounds:
@@ -59,11 +71,13 @@ class SavedRounds:
             part.settle(self.stats)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, settings and statistics (what a resumed run needs to continue). A
-        fragment's round in flight is waited for and saved combined (the same on every rank),
-        so a run resumed from a save between its issue and its landing lands it as it would."""
+        """Step counter, settings and statistics (what a resumed run needs to continue), and the
+        rank that saved it (``"rank"``, in the rounds' group). A fragment's round in flight is
+        waited for and saved combined (the same on every rank), so a run resumed from a save
+        between its issue and its landing lands it as it would."""
         self._settle()
         return {
+            "rank": group_size_rank(self.process_group)[1],
             "step": self.step,
             "rounds": self.rounds,
             "period": self.period,
@@ -82,20 +96,23 @@ class SavedRounds:
             "landing_skipped": [p.skipped for p in self.fragments],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters and statistics; settings must match the ones this averager has."""
-        saved = {**state, "sync_delay": state.get("sync_delay", 0), "update_alpha": state.get("update_alpha", 0.0)}
-        for name in ("period", "warmup_steps", "pull", "push", "distance", "sync_delay", "update_alpha"):
-            if saved[name] != getattr(self, name):
-                raise ValueError(f"checkpoint has {name}={saved[name]!r}, this averager {getattr(self, name)!r}")
+    def load_state_dict(self, state: dict[str, Any], *, any_rank: bool = False) -> None:
+        """Restore the counters and statistics; settings must match the ones this averager has.
+
+        A state another rank saved is refused on every rank (a collective: every rank loads, or
+        every rank raises): between rounds the workers' parameters and inner optimizer states
+        differ, and a checkpoint that keeps one rank's copy (DCP's, or one file every rank loads)
+        would resume every rank as that one. ``any_rank=True`` loads it whoever saved it, with no
+        collective: torchft's healing, which loads a survivor's state on one replica on purpose.
+        A state saved before the rank was recorded loads as before."""
+        refusal = self._load_refusal(state)
+        world_size, _ = group_size_rank(self.process_group)
+        if "rank" in state and world_size > 1 and not any_rank:
+            agree_to_load(self.process_group, int(state["rank"]), refusal, _PER_RANK, foreign=_FOREIGN)
+        if refusal is not None:
+            raise ValueError(refusal)
         consensus = state.get("consensus")
-        if (consensus is None) != (self.outer is None):
-            raise ValueError("the checkpoint's averager and this one differ in having an outer step")
         consensus = [consensus] if isinstance(consensus, dict) else consensus or []
-        if len(consensus) != len(self.fragments):
-            raise ValueError(
-                f"the checkpoint's rounds have {len(consensus)} fragment(s), this averager {len(self.fragments)}"
-            )
         self._step = int(state["step"])
         self.rounds = int(state["rounds"])
         self.mean_distance = float(state["mean_distance"])
@@ -113,6 +130,20 @@ class SavedRounds:
             self._consensus_checked = False
             self._consensus_loaded, self._restored_without_consensus = True, False
         self._settings_checked = True  # the rounds compare them from here
+
+    def _load_refusal(self, state: dict[str, Any]) -> str | None:
+        """Why ``state`` cannot load into this averager (None: it can)."""
+        saved = {**state, "sync_delay": state.get("sync_delay", 0), "update_alpha": state.get("update_alpha", 0.0)}
+        for name in ("period", "warmup_steps", "pull", "push", "distance", "sync_delay", "update_alpha"):
+            if saved[name] != getattr(self, name):
+                return f"checkpoint has {name}={saved[name]!r}, this averager {getattr(self, name)!r}"
+        consensus = state.get("consensus")
+        if (consensus is None) != (self.outer is None):
+            return "the checkpoint's averager and this one differ in having an outer step"
+        consensus = [consensus] if isinstance(consensus, dict) else consensus or []
+        if len(consensus) != len(self.fragments):
+            return f"the checkpoint's rounds have {len(consensus)} fragment(s), this averager {len(self.fragments)}"
+        return None
 
 
 def _consensus_states(fragments: list[Fragment]) -> dict[str, Any] | list[dict[str, Any]] | None:

@@ -114,7 +114,8 @@ class Run:
         ahead: ranks that take one step more before ``consensus_state_dict``.
         fragments, delay, alpha, period: streaming rounds (F, τ, α; ``period`` each fragment's).
         dcp: resume through a DCP checkpoint (``get_state_dict``, ``dcp.save``, ``dcp.load``), into
-            ``"fresh"`` objects or ``"running"`` ones.
+            ``"fresh"`` objects or ``"running"`` ones; ``"direct"``: ``dcp.save`` of the model's,
+            the optimizer's and the averager's ``state_dict()``, loaded the same way into fresh objects.
         pairs: ranks 0, 1 and ranks 2, 3 each run their rounds over a process group of their own.
     """
 
@@ -172,14 +173,17 @@ def _step(built, run: Run, rank: int, step: int) -> None:
 
 
 def _resumed(built, run: Run, where: dict):
-    """A save (each rank's model and optimizer, as a training script writes them) loaded into
-    fresh objects."""
-    model, _, _, opt = built
+    """A save (each rank's model and optimizer, as a training script writes them; in a plain loop
+    the averager's too) loaded into fresh objects."""
+    model, _, averager, opt = built
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    mine = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(mine if run.ddp else {**mine, "averager": averager.state_dict()}, buffer)
     saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     fresh = _build(run, where)
     fresh[0].load_state_dict(saved["model"])
+    if not run.ddp:
+        fresh[2].load_state_dict(saved["averager"])
     if run.torch_state:
         from torch.distributed.optim import PostLocalSGDOptimizer
 
@@ -191,15 +195,25 @@ def _resumed(built, run: Run, where: dict):
 
 
 def _dcp_resumed(built, run: Run, where: dict):
-    """A DCP checkpoint (``get_state_dict`` of the DDP model and local_sgd's optimizer, one folder
-    for every rank) loaded with ``set_state_dict`` into fresh objects (``run.dcp == "fresh"``) or
-    into the running ones."""
+    """A DCP checkpoint (one folder for every rank) of ``get_state_dict`` (the DDP model and
+    local_sgd's optimizer), loaded with ``set_state_dict`` into fresh objects (``run.dcp ==
+    "fresh"``) or into the running ones; or (``"direct"``) of each object's ``state_dict()``,
+    loaded with each one's ``load_state_dict`` into fresh objects."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     made = [tempfile.mkdtemp(prefix="signmuon-rounds-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(made, 0)
     try:
+        if run.dcp == "direct":
+            objects = dict(zip(("model", "optim", "averager"), (built[0], built[3], built[2])))
+            dcp.save({name: o.state_dict() for name, o in objects.items()}, checkpoint_id=made[0])
+            fresh = _build(run, where)
+            state = {name: o.state_dict() for name, o in zip(objects, (fresh[0], fresh[3], fresh[2]))}
+            dcp.load(state, checkpoint_id=made[0])
+            for name, o in zip(objects, (fresh[0], fresh[3], fresh[2])):
+                o.load_state_dict(state[name])
+            return fresh
         model_state, optim_state = get_state_dict(built[1], built[3])
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=made[0])
         fresh = _build(run, where) if run.dcp == "fresh" else built
@@ -355,6 +369,8 @@ def rounds_cell(entry: str, klass: str, case: str, run: Run, refusal: str | None
 
 
 AVERAGER, CONSENSUS = "LocalStepAverager", "consensus_state_dict"
+DCP_DIRECT = "so every rank would resume with one rank's. Save a file per rank with torch.save"
+"""What every rank raises for a DCP checkpoint of the rounds' state_dict()s: one rank's copy."""
 HOLDS, GRADIENT, STATE, STEP = (
     "what the optimizer holds",
     "who has a gradient",

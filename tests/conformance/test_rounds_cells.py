@@ -9,6 +9,7 @@ from .cells import Cell, check_cells
 from .rounds_world import (
     AVERAGER,
     CONSENSUS,
+    DCP_DIRECT,
     GRADIENT,
     HOLDS,
     STATE,
@@ -88,6 +89,29 @@ def two_rank_cells() -> list[Cell]:
             Run(ddp=True, warmup=2, steps=9, resume_after=5, torch_state=True),
             "restored without its consensus",
         ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "DiLoCo in a plain loop, resumed after step 5 (a round not yet due) from a torch.save file per rank "
+            "of the model's, inner optimizer's and averager's state_dict()",
+            Run(steps=9, resume_after=4),
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "DiLoCo in a plain loop, resumed after step 5 (a round not yet due) from DCP's dcp.save of the model's, "
+            "inner optimizer's and averager's state_dict(), loaded the same way",
+            Run(steps=9, resume_after=4, dcp="direct"),
+            DCP_DIRECT,
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "DiLoCo under local_sgd, warm-up 2, resumed after step 5 (a round not yet due) from DCP's dcp.save of "
+            "the model's and the optimizer's state_dict(), loaded the same way",
+            Run(ddp=True, warmup=2, steps=9, resume_after=4, dcp="direct"),
+            DCP_DIRECT,
+        ),
     ]
 
 
@@ -119,6 +143,14 @@ def four_rank_cells() -> list[Cell]:
             "node-aware rounds given one node's ranks as process_group",
             node_pairs_as_group,
             refusal="leave process_group unset",
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "DiLoCo over a process group of one's own (ranks 0, 1 and 2, 3), resumed after step 5 from DCP's "
+            "dcp.save of the model's, inner optimizer's and averager's state_dict() on all four ranks",
+            Run(steps=9, resume_after=4, dcp="direct", pairs=True),
+            DCP_DIRECT,
         ),
     ]
 

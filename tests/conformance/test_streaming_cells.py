@@ -48,6 +48,13 @@ def streaming_two_rank_cells() -> list[Cell]:
             Run(ddp=True, warmup=2, period=4, steps=9, resume_after=4, dcp="running", **STREAM),
             "one file per rank",
         ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "streaming DiLoCo in a plain loop, resumed after step 5 with a fragment's round in flight from a "
+            "torch.save file per rank of the model's, inner optimizer's and averager's state_dict()",
+            Run(period=4, steps=9, resume_after=4, **STREAM),
+        ),
     ]
 
 
