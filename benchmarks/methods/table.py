@@ -251,6 +251,12 @@ METHODS: dict[str, Method] = {
     "local_adamw_32": _rounds("AdamW locally, plain averaging every 32 steps", 32, pseudo_gradient=None),
     "diloco_8": _rounds("DiLoCo: AdamW inside, outer Nesterov step every 8 steps (fp32 rounds)", 8, fsdp=True),
     "diloco_32": _rounds("DiLoCo, outer step every 32 steps (fp32 rounds)", 32, fsdp=True),
+    "diloco_8_stream4": _rounds(
+        "streaming fp32 rounds: diloco_8 in 4 fragments, each issued 1 step before it lands",
+        8,
+        fragments=4,
+        sync_delay=1,
+    ),
     "diloco_vote_8": _rounds(
         "DiLoCo every 8 steps, pseudo-gradient as a sign vote (one bit)", 8, pseudo_gradient="sign_vote"
     ),
