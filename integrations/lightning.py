@@ -18,7 +18,7 @@ passed to it is never called), and its model averaging accepts only torch's
 Each rank's momentum is its own, and Lightning writes a checkpoint from rank 0 alone, which every
 rank loads at ``fit(..., ckpt_path=...)``: :class:`SignDDPStrategy` also writes each rank's own
 training state beside it (``<checkpoint>.signmuon_rank00001.pt``: the optimizers', the bare hook's
-momentum, the averager's) and resumes every rank from its own.
+momentum, the averager's with the worker's parameters) and resumes every rank from its own.
 
 Needs ``pip install 'signmuon[lightning]'``.
 """
@@ -94,18 +94,21 @@ class SignDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.comm_state = comm_state
         self.averager = averager
+        self._own_parameters: dict[str, Any] | None = None  # this rank's, loaded before DDP's broadcast
 
     def _rank_file(self, filepath: Any) -> str:
         return f"{filepath}{RANK_STATE_SUFFIX.format(rank=self.global_rank)}"
 
     def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What of a checkpoint is this rank's own: the optimizers' states (the momentum, before the
-        vote), the bare hook's momentum and the averager's state (its slice of the rounds)."""
+        vote), the bare hook's momentum and the averager's state (its slice of the rounds), with an
+        averager the parameters too."""
         own = {"optimizer_states": checkpoint["optimizer_states"]}
         if self.comm_state is not None:
             own["comm_state"] = self.comm_state.state_dict()
-        if self.averager is not None:
+        if self.averager is not None:  # between rounds each worker's parameters are its own too
             own["averager"] = self.averager.state_dict()
+            own["state_dict"] = checkpoint["state_dict"]
         return own
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -138,6 +141,13 @@ class SignDDPStrategy(DDPStrategy):
                 if name not in own:
                     raise ValueError(f"{path} holds no {name} state: it was saved by a SignDDPStrategy without {name}")
                 target.load_state_dict(own[name])
+        if self.averager is not None:
+            if "state_dict" not in own:
+                raise ValueError(
+                    f"{path} holds no parameters of this rank (an older SignDDPStrategy's): between rounds "
+                    "they are each rank's own; resume from a checkpoint this version saved"
+                )
+            checkpoint["state_dict"] = self._own_parameters = own["state_dict"]
         return checkpoint
 
     def _own_file(self, checkpoint_path: Any) -> str | None:
@@ -149,6 +159,9 @@ class SignDDPStrategy(DDPStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # wraps the model in DDP, then sets up the optimizers
+        if self._own_parameters is not None:  # DDP's wrapping broadcast rank 0's over them
+            self.lightning_module.load_state_dict(self._own_parameters)
+            self._own_parameters = None
         if trainer.state.fn == TrainerFn.FITTING:
             self._register_reduction(trainer)
 

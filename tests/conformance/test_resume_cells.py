@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.optim import SignMuon, SignumMV
+from signmuon.optim import LocalStepAverager, SignMuon, SignumMV
 from signmuon.optim.checkpoint import refuse_load
 
 from . import accumulation_frameworks, scaler_frameworks
@@ -207,8 +207,9 @@ FIT_STEPS = 6  # each framework run: 6 optimizer steps, saved after 3
 
 
 def _optimizer(kind: str, params):
-    """``kind``: "SignMuon", "SignumMV", or "hook" (torch's SGD applying the bare sign-vote hook's vote)."""
-    if kind == "hook":
+    """``kind``: "SignMuon", "SignumMV", "hook" (torch's SGD applying the bare sign-vote hook's
+    vote) or "averager" (torch's SGD, local steps averaged by a LocalStepAverager)."""
+    if kind in ("hook", "averager"):
         return torch.optim.SGD(params, lr=0.02)
     return SignMuon(params, lr=0.02) if kind == "SignMuon" else SignumMV(params, lr=0.02, momentum=0.9)
 
@@ -315,11 +316,13 @@ def _lightning_fit(kind: str, folder: str, resume: str | None):
     module = Net()
     loader = torch.utils.data.DataLoader(_data(48), batch_size=8)  # 3 batches per rank and epoch
     hook = _hook_state(kind)
+    # a round every 2 steps: the checkpoint at step 3 falls between rounds, where the workers differ
+    averager = LocalStepAverager(period=2, pull=0.5) if kind == "averager" else None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         num_nodes=1,
-        strategy=SignDDPStrategy(comm_state=hook),
+        strategy=SignDDPStrategy(comm_state=hook, averager=averager),
         max_epochs=FIT_STEPS // 3,
         callbacks=[ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1)],
         logger=False,
@@ -327,6 +330,8 @@ def _lightning_fit(kind: str, folder: str, resume: str | None):
         enable_model_summary=False,
     )
     trainer.fit(module, loader, ckpt_path=resume)
+    if averager is not None:
+        return [p.detach() for p in module.parameters()], averager.step
     return _outcome(list(module.parameters()), module.made, hook)
 
 
@@ -378,8 +383,10 @@ def framework_cells() -> list[Cell]:
         ("Lightning", lightning, "fit(ckpt_path=) from ModelCheckpoint's epoch 1 of 2"),
         ("Accelerate", accelerate, "save_state at step 3 of 6, load_state"),
     ):
-        for kind in ("SignumMV", "SignMuon") + (("hook",) if entry != "HF Trainer" else ()):
-            name = "sign_vote_hook (SignVoteState) with SGD" if kind == "hook" else kind
+        kinds = ("SignumMV", "SignMuon") + (("hook",) if entry != "HF Trainer" else ())
+        for kind in kinds + (("averager",) if entry == "Lightning" else ()):
+            name = {"hook": "sign_vote_hook (SignVoteState) with SGD", "averager": "LocalStepAverager with SGD"}
+            name = name.get(kind, kind)
             case = f"{name}, {how} {SAME_SPAWN}"
             cells.append(Cell(entry, KLASS, case, partial(run, kind=kind), partial(_none_differ, steps=FIT_STEPS)))
     return cells
