@@ -186,7 +186,7 @@ def predict(method: str, cluster: Cluster, workload: Workload) -> dict[str, floa
 def round_hidden_share(round_s_per_step: float, workload: Workload) -> float:
     """The share of a streaming round's wire time the next τ inner steps hide: a fragment's round
     (1/F of the model; per step ``round_s_per_step``, whole rounds every H steps) takes
-    ``round_s_per_step``·H/F and runs on its own thread beside τ steps of compute."""
+    ``round_s_per_step``·H/F and stays in flight beside τ steps of compute."""
     if workload.sync_delay <= 0 or round_s_per_step <= 0.0:
         return 0.0
     wire = round_s_per_step * workload.period / workload.fragments

@@ -72,19 +72,25 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 def gather_rows(
-    row: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None, *, inside_node: bool = False
-) -> torch.Tensor:
+    row: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    *,
+    inside_node: bool = False,
+    async_op: bool = False,
+):
     """[M, *row.shape]: every rank's ``row`` (an all-gather; ``row`` must have the same shape
-    everywhere); its bytes are added to ``stats`` (as bytes inside a node where ``inside_node``)."""
+    everywhere); its bytes are added to ``stats`` (as bytes inside a node where ``inside_node``).
+    ``async_op``: (the rows, filled once the returned work handle is waited for; None alone)."""
     world_size, _ = group_size_rank(group)
     if world_size == 1:
-        return row.unsqueeze(0)
+        return (row.unsqueeze(0), None) if async_op else row.unsqueeze(0)
     if stats is not None:
         size = (world_size - 1) * row.numel() * row.element_size()
         stats.add(size, size, inside_node=inside_node)
     rows = row.new_empty(world_size, *row.shape)
-    dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)
-    return rows
+    work = dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group, async_op=async_op)
+    return (rows, work) if async_op else rows
 
 
 def agree(

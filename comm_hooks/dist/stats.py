@@ -17,20 +17,19 @@ class CommStats:
     Seconds on this rank's host thread: ``pack_seconds`` (encoding the signs and the zeros'
     lists), ``vote_seconds`` (the vote on the received shards, and its zeros' lists),
     ``unpack_seconds`` (decoding the result) and
-    ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one;
-    a streaming round's on its own thread).
+    ``wait_seconds`` (blocked on the network: waiting for a collective, or in a blocking one).
     On a GPU kernels run asynchronously, so their time shows up where the host next waits for
     them (the headers' reads): the split is exact on CPU and indicative on GPU.
 
     Rounds with an outer step: ``round_seconds``, the combines of their pseudo-gradients from
     the collectives' issue to their result (the encoding and decoding around the collectives
     included, so it bounds their wire time from above); ``round_wait_seconds``, the part of it
-    the training thread waited for when the round landed. A round that lands where it is taken
-    waits for all of it; a streaming round (``sync_delay`` τ > 0) combines on its own thread
-    during the next τ steps, and :attr:`round_hidden_share` is the share that training hid.
-    ``round_steps_hidden`` counts the inner steps computed between a round's issue and its wait
-    (τ a streamed round, 0 one that lands where it is taken): counted, not timed, so it reads
-    nothing of the round's thread.
+    the training thread spent on it (encoding and issuing, then waiting and decoding when the
+    round landed). A round that lands where it is taken waits for all of it; a streaming round
+    (``sync_delay`` τ > 0) leaves its collectives in flight during the next τ steps (their
+    completion stamped by their futures), and :attr:`round_hidden_share` is the share that
+    training hid. ``round_steps_hidden`` counts the inner steps computed between a round's issue
+    and its wait (τ a streamed round, 0 one that lands where it is taken).
     """
 
     _FIELDS = (

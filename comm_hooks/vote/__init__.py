@@ -2,7 +2,7 @@
 majority-vote collective and its node-aware schedule. Imports ``kernels`` and ``dist`` only."""
 
 from .collective import VoteWork, majority_vote, majority_vote_async, vote_bytes_per_rank, vote_in_place
-from .compressed_allreduce import scaled_sign_allreduce
+from .compressed_allreduce import scaled_sign_allreduce, scaled_sign_allreduce_start
 from .config import ALGORITHMS, KERNELS, NONFINITE_ACTIONS, TIE_MODES, ZERO_RULES, VoteConfig
 from .encodings import ByzantineFault, MomentumStep, error_buffer_sizes
 from .node_vote import (
@@ -44,6 +44,7 @@ __all__ = [
     "pack_signs",
     "packed_size",
     "scaled_sign_allreduce",
+    "scaled_sign_allreduce_start",
     "unpack_signs",
     "vote_bytes_per_rank",
     "vote_in_place",

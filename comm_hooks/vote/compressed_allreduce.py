@@ -4,6 +4,8 @@ backend's ``compressed_allreduce`` and the ``"scaled_sign"`` rounds, the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -12,10 +14,17 @@ from ..kernels import kernels_for
 from .encodings import ScaledSignEncoding, error_buffer_sizes
 from .transport import TransportWork
 
-__all__ = ["scaled_sign_allreduce"]
+__all__ = ["scaled_sign_allreduce", "scaled_sign_allreduce_start"]
 
 
-def scaled_sign_allreduce(
+def scaled_sign_allreduce(*args, **options) -> torch.Tensor:
+    """Average ``tensor`` over ``group`` at one bit per entry with error feedback, in place:
+    :func:`scaled_sign_allreduce_start`'s arguments, waited for."""
+    work, finish = scaled_sign_allreduce_start(*args, **options)
+    return finish()
+
+
+def scaled_sign_allreduce_start(
     tensor: torch.Tensor,
     worker_error: torch.Tensor,
     server_error: torch.Tensor,
@@ -25,8 +34,9 @@ def scaled_sign_allreduce(
     nonfinite: str = "skip",
     stats: CommStats | None = None,
     label: str = "scaled_sign_allreduce",
-) -> torch.Tensor:
-    """Average ``tensor`` over ``group`` at one bit per entry with error feedback, in place.
+) -> tuple[TransportWork, Callable[[], torch.Tensor]]:
+    """Start averaging ``tensor`` over ``group`` at one bit per entry with error feedback, in
+    place: the transport in flight, and the call that waits for it and writes ``tensor``.
 
     Phase 1 (worker): add ``worker_error``, compress to ``scale * sign``, keep the residual in
     ``worker_error``; rank r receives chunk r of everyone's signs and averages them. Phase 2
@@ -50,7 +60,7 @@ def scaled_sign_allreduce(
     flat[: tensor.numel()] = tensor.reshape(-1)
     encoding = ScaledSignEncoding(kernels_for(flat.device, kernels), worker_error.view(-1), server_error.view(-1))
     result = torch.empty_like(flat)
-    TransportWork(
+    work = TransportWork(
         encoding,
         flat,
         group,
@@ -59,6 +69,10 @@ def scaled_sign_allreduce(
         stats=stats,
         nonfinite=nonfinite,
         label=label,
-    ).wait()
-    tensor.copy_(result[: tensor.numel()].view(tensor.shape))
-    return tensor
+    )
+
+    def finish() -> torch.Tensor:
+        tensor.copy_(work.wait()[: tensor.numel()].view(tensor.shape))
+        return tensor
+
+    return work, finish

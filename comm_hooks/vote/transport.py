@@ -303,6 +303,11 @@ class TransportWork:
     def is_completed(self) -> bool:
         return self._stage == 2
 
+    @property
+    def in_flight(self) -> dist.Work | None:
+        """The collective of the stage started last while this work is unfinished (None: none)."""
+        return self._work if self._stage < 2 else None
+
 
 def transport_bytes_per_rank(plan_words: int, world_size: int, two_phase: bool, agree_sizes: bool = True) -> int:
     """Bytes one rank sends per call when no extras travel (the dense formula), with the

@@ -22,7 +22,7 @@ from signmuon.comm_hooks.dist import (
 
 from ..params import local_tensor
 from .outer_step import OuterStep
-from .pseudo_gradients import RULES, combine_pseudo_gradients, scale_blocks
+from .pseudo_gradients import RULES, Combining, scale_blocks, start_combining
 from .rails import gather_slices, rail_bounds, rail_group
 
 __all__ = ["CALLS", "Consensus", "agree_on_call", "check_shards", "round_flags"]
@@ -97,16 +97,17 @@ class Consensus:
         return [rail_bounds(sum(sizes), self.layout)[:2] for sizes in self.sizes]
 
     @torch.no_grad()
-    def combine(
+    def start_combining(
         self, deltas: list[torch.Tensor], stats: CommStats | None, group: dist.ProcessGroup | None = None
-    ) -> list[torch.Tensor]:
-        """The workers' combined pseudo-gradients (``deltas`` overwritten): only the round's
-        collectives between the workers, no state but the error feedback touched, so it may run
-        while training goes on (streaming rounds), over ``group`` in flat rounds (default: the
-        rounds' group), over the rails in node-aware ones."""
+    ) -> list[Combining]:
+        """Start combining the workers' pseudo-gradients (``deltas`` overwritten), one per group:
+        only the round's collectives between the workers, issued asynchronously, no state but
+        the error feedback touched, so training may go on until they are waited for (streaming
+        rounds); over ``group`` in flat rounds (default: the rounds' group), over the rails in
+        node-aware ones."""
         group = rail_group(self.group if group is None else group, self.layout)
         return [
-            combine_pseudo_gradients(
+            start_combining(
                 delta,
                 self.outer.pseudo_gradient,
                 group,
@@ -119,6 +120,10 @@ class Consensus:
             )
             for i, (delta, (lo, hi)) in enumerate(zip(deltas, self.bounds()))
         ]
+
+    def combine(self, deltas: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
+        """:meth:`start_combining`, waited for."""
+        return [combining.wait() for combining in self.start_combining(deltas, stats)]
 
     @torch.no_grad()
     def land(self, combined: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:

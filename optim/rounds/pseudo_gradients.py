@@ -11,12 +11,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from signmuon.comm_hooks import CommStats, VoteConfig, majority_vote
+from signmuon.comm_hooks import CommStats, VoteConfig, VoteWork
 from signmuon.comm_hooks.dist import gather_rows, group_size_rank, mean_all_reduce
-from signmuon.comm_hooks.vote import scaled_sign_allreduce
+from signmuon.comm_hooks.vote import scaled_sign_allreduce_start
 from signmuon.comm_hooks.vote.encodings import decode_log_scales, encode_log_scales, error_buffer_sizes
 
-__all__ = ["RULES", "Rule", "combine_pseudo_gradients", "scale_blocks"]
+__all__ = ["RULES", "Combining", "Rule", "combine_pseudo_gradients", "scale_blocks", "start_combining"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +32,31 @@ class Round:
     scale_bits: int
 
 
-def _mean(delta: torch.Tensor, r: Round) -> torch.Tensor:
-    return mean_all_reduce(delta, r.group, r.stats)
+class Combining:
+    """A round's combine in flight: its collectives issued (asynchronous), :meth:`wait`
+    finishes it. ``works`` are collectives' handles, ``transports`` encoded reductions
+    (:class:`~signmuon.comm_hooks.vote.transport.TransportWork`); ``finish`` (called once they
+    are waited for) returns the combined pseudo-gradient."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor], works=(), transports=()) -> None:
+        self._finish, self._works, self._transports = finish, [w for w in works if w is not None], list(transports)
+
+    def collectives(self) -> list[dist.Work]:
+        """The collectives in flight now."""
+        return self._works + [t.in_flight for t in self._transports if t.in_flight is not None]
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        return self._finish()
 
 
-def _scaled_sign(delta: torch.Tensor, r: Round) -> torch.Tensor:
-    return scaled_sign_allreduce(
+def _mean(delta: torch.Tensor, r: Round) -> Combining:
+    return Combining(lambda: delta, [mean_all_reduce(delta, r.group, r.stats, async_op=True)])
+
+
+def _scaled_sign(delta: torch.Tensor, r: Round) -> Combining:
+    work, finish = scaled_sign_allreduce_start(
         delta,
         *r.errors,
         r.group,
@@ -46,9 +65,10 @@ def _scaled_sign(delta: torch.Tensor, r: Round) -> torch.Tensor:
         stats=r.stats,
         label="a round's pseudo-gradient",
     )
+    return Combining(finish, transports=[work])
 
 
-def _sign_vote(delta: torch.Tensor, r: Round, *, feedback: bool = False) -> torch.Tensor:
+def _sign_vote(delta: torch.Tensor, r: Round, *, feedback: bool = False) -> Combining:
     """The vote of the signs, each block scaled by the workers' mean of its mean magnitude; with
     ``feedback`` each worker first adds, and then keeps, what its own scaled signs leave out."""
     if feedback:
@@ -59,19 +79,24 @@ def _sign_vote(delta: torch.Tensor, r: Round, *, feedback: bool = False) -> torc
     if feedback:
         for (a, b, width), rows, scale in zip(r.segments, blocks, scales.split(counts)):
             torch.sub(rows, rows.sign() * scale.unsqueeze(1), out=r.errors[0][a:b].view(-1, width))
-    scales = _average_scales(scales, r.scale_bits, r.group, r.stats)
-    majority_vote(delta, r.group, r.vote, step=r.step, out=delta, stats=r.stats, label="a round's pseudo-gradient")
-    for rows, scale in zip(blocks, scales.split(counts)):
-        rows.mul_(scale.unsqueeze(1))
-    return delta
+    scales_work, mean_scales = _average_scales(scales, r.scale_bits, r.group, r.stats)
+    vote = VoteWork(delta, r.group, r.vote, step=r.step, out=delta, stats=r.stats, label="a round's pseudo-gradient")
+
+    def finish() -> torch.Tensor:
+        vote.wait()
+        for rows, scale in zip(blocks, mean_scales().split(counts)):
+            rows.mul_(scale.unsqueeze(1))
+        return delta
+
+    return Combining(finish, [scales_work], [vote])
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One way to combine the pseudo-gradients."""
 
-    combine: Callable[[torch.Tensor, Round], torch.Tensor]
-    """Combines this worker's flat pseudo-gradient (overwritten) with the others'."""
+    start: Callable[[torch.Tensor, Round], Combining]
+    """Starts combining this worker's flat pseudo-gradient (overwritten) with the others'."""
     error_sizes: Callable[[int, dist.ProcessGroup | None], tuple[int, ...]] | None = None
     """The sizes of its error-feedback buffers for ``numel`` entries combined over a group."""
     scaled: bool = False
@@ -87,7 +112,12 @@ RULES = {
 """The rules by name; a new one is a function and an entry here (docs/design.md's recipe)."""
 
 
-def combine_pseudo_gradients(
+def combine_pseudo_gradients(*args, **options) -> torch.Tensor:
+    """:func:`start_combining`'s combine, waited for."""
+    return start_combining(*args, **options).wait()
+
+
+def start_combining(
     delta: torch.Tensor,
     how: str,
     group: dist.ProcessGroup | None,
@@ -98,25 +128,28 @@ def combine_pseudo_gradients(
     vote: VoteConfig | None = None,
     step: int = 0,
     scale_bits: int = 32,
-) -> torch.Tensor:
-    """Combine the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group`` by the
+) -> Combining:
+    """Start combining the workers' pseudo-gradients ``delta`` (flat; overwritten) over ``group`` by the
     rule ``how``. ``segments`` are ``(start, stop, width)`` runs of ``delta`` cut into scale
     blocks of ``width`` entries (:func:`scale_blocks`), the blocks of a run scaled as the rows of
     one view; ``errors`` the rule's feedback buffers; ``step`` keys the tie coins; the scales
     travel in ``scale_bits`` (``OuterStep.scale_bits``)."""
     vote = vote if vote is not None else VoteConfig(tie="exact")
-    return RULES[how].combine(delta, Round(group, stats, segments, errors, vote, step, scale_bits))
+    return RULES[how].start(delta, Round(group, stats, segments, errors, vote, step, scale_bits))
 
 
 def _average_scales(
     scales: torch.Tensor, bits: int, group: dist.ProcessGroup | None, stats: CommStats | None
-) -> torch.Tensor:
-    """The workers' mean of each float32 scale, sent in ``bits`` (``OuterStep.scale_bits``)."""
+) -> tuple[dist.Work | None, Callable[[], torch.Tensor]]:
+    """Start the workers' mean of each float32 scale, sent in ``bits`` (``OuterStep.scale_bits``):
+    the collective in flight, and the call that reads the mean once it is waited for."""
     if bits == 32:
-        return mean_all_reduce(scales, group, stats)
+        return mean_all_reduce(scales, group, stats, async_op=True), lambda: scales
     if bits == 16:
-        return mean_all_reduce(scales.to(torch.bfloat16), group, stats).to(scales.dtype)
-    return decode_log_scales(gather_rows(encode_log_scales(scales), group, stats)).mean(0)
+        sent = scales.to(torch.bfloat16)
+        return mean_all_reduce(sent, group, stats, async_op=True), lambda: sent.to(scales.dtype)
+    rows, work = gather_rows(encode_log_scales(scales), group, stats, async_op=True)
+    return work, lambda: decode_log_scales(rows).mean(0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +26,7 @@ from signmuon.comm_hooks import NodeLayout
 from signmuon.comm_hooks.dist import CommStats
 
 from .consensus import Consensus
+from .pseudo_gradients import Combining
 
 __all__ = [
     "Fragment",
@@ -137,8 +136,8 @@ def fragment_due(k: int, period: int, count: int, delay: int) -> tuple[int | Non
 
 
 def streaming_group(group: dist.ProcessGroup, layout: NodeLayout | None, delay: int) -> dist.ProcessGroup | None:
-    """The group a streaming round combines over on its own thread (None: the rounds' own).
-    Two threads must not issue collectives on one group (the ranks could order them apart):
+    """The group a streaming round combines over (None: the rounds' own). Its collectives stay
+    in flight during the next τ inner steps, so nothing else may use its group meanwhile:
     node-aware rounds use the rails, which nothing else uses during the inner steps; flat
     rounds over WORLD, which DDP also uses (its buffers' broadcast), get a group of their own
     (``new_group``: every rank builds the averager, so every rank calls it). A group given
@@ -149,53 +148,30 @@ def streaming_group(group: dist.ProcessGroup, layout: NodeLayout | None, delay: 
 
 
 class InFlight:
-    """A fragment's combine on a thread of its own, from the step its round is taken (the
-    collective issued) to the step it lands (waited for). The training thread reads nothing
-    of it in between; on a GPU the thread runs on a stream of its own, which starts after the
-    training stream has written the pseudo-gradients and which the training stream waits for
-    when the round lands."""
+    """A fragment's combine between its issue (the step its round is taken: the collectives
+    started, asynchronously, by the training thread) and its landing (waited for). Nothing of
+    it is read in between and no thread of ours runs: the collectives progress in the process
+    group's own threads (on a GPU, on its own stream). Each collective's completion is stamped
+    by its future, so the round's seconds are its collectives' time, not the steps between."""
 
-    def __init__(self, run: Callable[[], list[torch.Tensor]], device: torch.device) -> None:
-        self._run, self._result, self._error = run, None, None
-        self.seconds = 0.0  # issue to result, on the thread
-        self._stream = self._ready = None
-        if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)
-            self._ready = torch.cuda.Event()
-            self._ready.record()  # the pseudo-gradients, written on the training stream
-        self._thread = threading.Thread(target=self._body, name="signmuon-streaming-round", daemon=True)
-        self._thread.start()
+    def __init__(self, start: Callable[[], list[Combining]]) -> None:
+        begin = time.perf_counter()
+        self._combining = start()
+        self._issue = time.perf_counter() - begin  # encoding and issuing, on the training thread
+        self._issued, self._done = begin, begin
+        for work in (w for c in self._combining for w in c.collectives()):
+            work.get_future().add_done_callback(self._stamp)
 
-    def _body(self) -> None:
-        start = time.perf_counter()
-        try:
-            with torch.no_grad(), torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-                if self._stream is not None:
-                    self._stream.wait_event(self._ready)
-                self._result = self._run()
-                if self._stream is not None:
-                    self._stream.synchronize()  # done means done: the landing reads no half-written result
-        except BaseException as error:  # raised again where the round lands, on the training thread
-            self._error = error
-        self.seconds = time.perf_counter() - start
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
+    def _stamp(self, _future) -> None:
+        self._done = max(self._done, time.perf_counter())
 
     def wait(self) -> tuple[list[torch.Tensor], float, float]:
-        """(the combined pseudo-gradients, seconds the combine ran, seconds this call waited for it)."""
+        """(the combined pseudo-gradients, seconds the combine took, seconds training waited for it)."""
         start = time.perf_counter()
-        self._thread.join()
-        waited = time.perf_counter() - start
-        if self._error is not None:
-            raise self._error
-        if self._stream is not None:
-            current = torch.cuda.current_stream()
-            current.wait_stream(self._stream)
-            for t in self._result:
-                t.record_stream(current)
-        return self._result, self.seconds, waited
+        result = [combining.wait() for combining in self._combining]
+        end = time.perf_counter()
+        seconds = min(end - self._issued, self._done - self._issued + end - start)
+        return result, seconds, self._issue + end - start
 
 
 @dataclasses.dataclass
@@ -215,10 +191,10 @@ class Fragment:
         self, flats: list[torch.Tensor], stats: CommStats, group: dist.ProcessGroup | None, *, streamed: bool
     ) -> None:
         """Take this fragment's round from this worker's ``flats``: its pseudo-gradients,
-        combined now or, ``streamed``, on a thread of their own over ``group``."""
+        combined now or, ``streamed``, left in flight over ``group`` until it lands."""
         deltas = self.consensus.pseudo_gradients(flats)
         if streamed:
-            self.in_flight = InFlight(functools.partial(self.consensus.combine, deltas, stats, group), deltas[0].device)
+            self.in_flight = InFlight(functools.partial(self.consensus.start_combining, deltas, stats, group))
             return
         start = time.perf_counter()  # lands this very step: all of it waited for
         self.combined = self.consensus.combine(deltas, stats)
@@ -230,7 +206,7 @@ class Fragment:
         """Wait for the combine in flight (if any) and keep its result for the landing; its
         seconds and the seconds waited go to ``stats``."""
         if self.in_flight is not None:
-            self.combined, seconds, waited = self.in_flight.wait()
-            self.in_flight = None
+            in_flight, self.in_flight = self.in_flight, None
+            self.combined, seconds, waited = in_flight.wait()
             stats.round_seconds += seconds
             stats.round_wait_seconds += waited
