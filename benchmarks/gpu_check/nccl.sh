@@ -7,7 +7,8 @@ if ((gpus >= 2)); then
   check="$work"
   cat > "$check/votes.py" <<'PY'
 """Each rank's gradient set exactly (loss = sum of p * g), voted by the DDP hook flat and, with 4
-ranks or more, node-aware (2 ranks per node), then a DiLoCo sign_vote round: the same bits under
+ranks or more, node-aware (2 ranks per node), then a DiLoCo sign_vote round and streaming one-bit
+rounds (2 fragments, each in flight for a step): the same bits under
 NCCL on GPUs as under gloo on the CPU. Usage: votes.py BACKEND OUT (torchrun sets the ranks)."""
 import os, sys
 import torch, torch.distributed as dist
@@ -44,6 +45,18 @@ with torch.no_grad():
         p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(device))
 averager.average_parameters(net.parameters())
 results["round"] = [p.detach().cpu().clone() for p in net.parameters()]
+# Streaming one-bit rounds (2 fragments, each in flight for one step): the collectives issued
+# asynchronously on the training stream's data, waited for a step later.
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 10)).to(device)
+outer = OuterStep.diloco(pseudo_gradient="sign_vote_ef")
+averager = LocalStepAverager(period=4, module=net, outer=outer, fragments=2, sync_delay=1, track_distances=False)
+for step in range(8):
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + step)).to(device), alpha=0.01)
+    averager.average_parameters(net.parameters())
+results["streaming round"] = [p.detach().cpu().clone() for p in net.parameters()]
 torch.save(results, f"{out}.rank{rank}")
 dist.destroy_process_group()
 PY
@@ -56,11 +69,11 @@ for rank in range(gpus):
     a, b = torch.load(f'{check}/nccl.rank{rank}'), torch.load(f'{check}/gloo.rank{rank}')
     assert a.keys() == b.keys(), (a.keys(), b.keys())
     for key in a:
-        if key == 'round':  # the outer step's floats: close, the votes under it exact
+        if 'round' in key:  # the outer step's floats: close, the votes under it exact
             torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
         else:
             assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (rank, key)
-print(f'NCCL on {gpus} GPUs equals gloo on the CPU: votes bit for bit ({len(a) - 1} hook steps), the round within 1e-6')
+print(f'NCCL on {gpus} GPUs equals gloo on the CPU: votes bit for bit ({len(a) - 2} hook steps), the rounds (one streamed) within 1e-6')
 " "$gpus" "$check"
 else
   echo "one GPU: the NCCL comparison needs two or more (skipped)"

@@ -21,14 +21,14 @@ class CommStats:
     On a GPU kernels run asynchronously, so their time shows up where the host next waits for
     them (the headers' reads): the split is exact on CPU and indicative on GPU.
 
-    Rounds with an outer step: ``round_seconds``, the combines of their pseudo-gradients from
-    the collectives' issue to their result (the encoding and decoding around the collectives
-    included, so it bounds their wire time from above); ``round_wait_seconds``, the part of it
-    the training thread spent on it (encoding and issuing, then waiting and decoding when the
-    round landed). A round that lands where it is taken waits for all of it; a streaming round
-    (``sync_delay`` τ > 0) leaves its collectives in flight during the next τ steps (their
-    completion stamped by their futures), and :attr:`round_hidden_share` is the share that
-    training hid. ``round_steps_hidden`` counts the inner steps computed between a round's issue
+    Rounds with an outer step: ``round_seconds``, the combines of their pseudo-gradients;
+    ``round_wait_seconds``, the part of it the training thread waited for. A round that lands
+    where it is taken waits for all of it (its encoding, collectives and decoding). A streaming
+    round (``sync_delay`` τ > 0) is counted from its collectives' issue (the encoding before it
+    is the same work a whole round does): its collectives stay in flight during the next τ
+    steps (their completion stamped by their futures), and everything from its landing on
+    (the rest of the wait, the decoding) counts as waited; :attr:`round_hidden_share` is the
+    share that training hid. ``round_steps_hidden`` counts the inner steps computed between a round's issue
     and its wait (τ a streamed round, 0 one that lands where it is taken).
     """
 

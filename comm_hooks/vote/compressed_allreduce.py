@@ -34,6 +34,7 @@ def scaled_sign_allreduce_start(
     nonfinite: str = "skip",
     stats: CommStats | None = None,
     label: str = "scaled_sign_allreduce",
+    agree_sizes: bool = True,
 ) -> tuple[TransportWork, Callable[[], torch.Tensor]]:
     """Start averaging ``tensor`` over ``group`` at one bit per entry with error feedback, in
     place: the transport in flight, and the call that waits for it and writes ``tensor``.
@@ -42,7 +43,8 @@ def scaled_sign_allreduce_start(
     ``worker_error``; rank r receives chunk r of everyone's signs and averages them. Phase 2
     (server): add ``server_error``, compress again, keep that residual; every rank receives
     every chunk. The buffers (zeros at the first call) have the sizes of
-    :func:`error_buffer_sizes`; ``kernels`` and ``nonfinite`` are :class:`VoteConfig`'s.
+    :func:`error_buffer_sizes`; ``kernels`` and ``nonfinite`` are :class:`VoteConfig`'s;
+    ``agree_sizes`` as :class:`TransportWork`'s (False only where the sizes agree by construction).
     """
     world_size, _ = group_size_rank(group)
     padded, chunk = error_buffer_sizes(tensor.numel(), world_size)
@@ -69,6 +71,7 @@ def scaled_sign_allreduce_start(
         stats=stats,
         nonfinite=nonfinite,
         label=label,
+        agree_sizes=agree_sizes,
     )
 
     def finish() -> torch.Tensor:

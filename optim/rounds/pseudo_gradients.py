@@ -21,7 +21,10 @@ __all__ = ["RULES", "Combining", "Rule", "combine_pseudo_gradients", "scale_bloc
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """What a rule gets besides the pseudo-gradient (see :func:`combine_pseudo_gradients`)."""
+    """What a rule gets besides the pseudo-gradient (see :func:`combine_pseudo_gradients`).
+    Its sizes agree on every rank by construction (the rounds agree on the step and settings
+    before any combine, and compare the consensus's shapes at the first round), so the
+    encoded reductions skip their own round trip that agrees on them."""
 
     group: dist.ProcessGroup | None
     stats: CommStats | None
@@ -64,6 +67,7 @@ def _scaled_sign(delta: torch.Tensor, r: Round) -> Combining:
         nonfinite=r.vote.nonfinite,
         stats=r.stats,
         label="a round's pseudo-gradient",
+        agree_sizes=False,
     )
     return Combining(finish, transports=[work])
 
@@ -80,7 +84,16 @@ def _sign_vote(delta: torch.Tensor, r: Round, *, feedback: bool = False) -> Comb
         for (a, b, width), rows, scale in zip(r.segments, blocks, scales.split(counts)):
             torch.sub(rows, rows.sign() * scale.unsqueeze(1), out=r.errors[0][a:b].view(-1, width))
     scales_work, mean_scales = _average_scales(scales, r.scale_bits, r.group, r.stats)
-    vote = VoteWork(delta, r.group, r.vote, step=r.step, out=delta, stats=r.stats, label="a round's pseudo-gradient")
+    vote = VoteWork(
+        delta,
+        r.group,
+        r.vote,
+        step=r.step,
+        out=delta,
+        stats=r.stats,
+        label="a round's pseudo-gradient",
+        agree_sizes=False,
+    )
 
     def finish() -> torch.Tensor:
         vote.wait()

@@ -152,13 +152,11 @@ class InFlight:
     started, asynchronously, by the training thread) and its landing (waited for). Nothing of
     it is read in between and no thread of ours runs: the collectives progress in the process
     group's own threads (on a GPU, on its own stream). Each collective's completion is stamped
-    by its future, so the round's seconds are its collectives' time, not the steps between."""
+    by its future, so the seconds counted are the collectives' own, not the steps between."""
 
     def __init__(self, start: Callable[[], list[Combining]]) -> None:
-        begin = time.perf_counter()
-        self._combining = start()
-        self._issue = time.perf_counter() - begin  # encoding and issuing, on the training thread
-        self._issued, self._done = begin, begin
+        self._combining = start()  # encoded and issued on the training thread, as a whole round's
+        self._issued = self._done = time.perf_counter()
         for work in (w for c in self._combining for w in c.collectives()):
             work.get_future().add_done_callback(self._stamp)
 
@@ -166,12 +164,13 @@ class InFlight:
         self._done = max(self._done, time.perf_counter())
 
     def wait(self) -> tuple[list[torch.Tensor], float, float]:
-        """(the combined pseudo-gradients, seconds the combine took, seconds training waited for it)."""
+        """(the combined pseudo-gradients, seconds the combine took from its issue, seconds
+        training waited for it): its collectives while training went on, then all of the
+        landing's wait and decoding, which count as waited."""
         start = time.perf_counter()
         result = [combining.wait() for combining in self._combining]
-        end = time.perf_counter()
-        seconds = min(end - self._issued, self._done - self._issued + end - start)
-        return result, seconds, self._issue + end - start
+        waited = time.perf_counter() - start
+        return result, min(self._done, start) - self._issued + waited, waited
 
 
 @dataclasses.dataclass
