@@ -65,17 +65,23 @@ def rank_state_dict(optimizer, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_rank_state(
-    optimizer, state_dict: dict[str, Any], *, refusal: str | None = None, remedy: str = _SAVE_PER_RANK
+    optimizer,
+    state_dict: dict[str, Any],
+    *,
+    refusal: str | None = None,
+    remedy: str = _SAVE_PER_RANK,
+    digest: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """torch's part of ``state_dict`` for this rank, after checking that it fits ``optimizer``:
     the same world size, this rank's own momentum, param groups, and per parameter state keys,
     shapes and float dtypes (ValueError now, not at the next step).
 
     On several ranks, a state dict saved by :func:`rank_state_dict` is checked on every rank at
-    once (one all-gather of two words: every rank loads, or every rank raises): a rank that
+    once (one all-gather of five words: every rank loads, or every rank raises): a rank that
     refuses alone would leave the others to train on, or hang in the next collective.
     ``refusal``: one the caller found itself, agreed on like the others; ``remedy``: what the
-    message for another rank's momentum tells the user to do instead."""
+    message for another rank's momentum tells the user to do instead; ``digest``: see
+    :func:`agree_to_load`."""
     extra = state_dict.get("signmuon", {"steps_taken": 0})
     checked = "signmuon" in state_dict
     state_dict = {k: v for k, v in state_dict.items() if k != "signmuon"}
@@ -87,7 +93,8 @@ def load_rank_state(
     if refusal is None and int(saved_rank) == rank:  # another rank's state: the message below says why
         refusal = _fit_refusal(optimizer, state_dict)
     if checked and world_size > 1:
-        agree_to_load(optimizer.process_group, int(saved_rank), refusal, remedy)
+        own = "rank_states" not in extra and _per_rank_momentum(optimizer)  # else any rank's state fits
+        agree_to_load(optimizer.process_group, int(saved_rank), refusal, remedy, digest=digest if own else None)
     if refusal is not None:
         raise ValueError(refusal)
     return state_dict
@@ -134,16 +141,25 @@ def agree_to_load(
     remedy: str = _SAVE_PER_RANK,
     *,
     foreign: str = _FOREIGN_MOMENTUM,
+    digest: torch.Tensor | None = None,
 ) -> None:
     """Raise on every rank of ``group`` if any rank loads a state another rank saved (``saved_rank``,
-    its rank in ``group``) or refuses its own (``refusal``): one all-gather of two words, on every
+    its rank in ``group``) or refuses its own (``refusal``): one all-gather of five words, on every
     rank before anything is loaded. ``foreign``: the message for another rank's state, formatted
-    with ``loads`` (``"rank 1 loads rank 0's"``) and ``remedy``."""
+    with ``loads`` (``"rank 1 loads rank 0's"``) and ``remedy``. ``digest``: for a state that does
+    not say who saved it, three float64s that sum it (the third > 0), equal only for equal states:
+    a rank whose digest equals a lower rank's loads that rank's."""
     _, rank = group_size_rank(group)
-    row = from_host([saved_rank, int(refusal is not None)], torch.int64, group_device(group))
-    rows = gather_rows(row, group).tolist()
+    device = group_device(group)
+    sums = torch.zeros(3, dtype=torch.float64, device=device) if digest is None else digest.to(device, torch.float64)
+    row = torch.cat([from_host([saved_rank, int(refusal is not None)], torch.int64, device), sums.view(torch.int64)])
+    gathered = gather_rows(row, group).cpu()
+    rows, sums = gathered[:, :2].tolist(), gathered[:, 2:].contiguous().view(torch.float64)
+    for r in range(len(rows)):
+        equal = [q for q in range(r) if sums[q, 2] > 0 and torch.equal(sums[q], sums[r])]
+        rows[r][0] = equal[0] if equal else rows[r][0]
     others = [(r, saved) for r, (saved, _) in enumerate(rows) if saved != r]
-    if others and refusal is None:
+    if others and (refusal is None or rows[rank][0] != saved_rank):  # one rank's state: the cause of any refusal
         loads = ", ".join(f"rank {r} loads rank {saved}'s" for r, saved in others)
         raise ValueError(foreign.format(loads=loads, remedy=remedy))
     refused = [r for r, (_, no) in enumerate(rows) if no and r != rank]

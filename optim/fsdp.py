@@ -25,7 +25,11 @@ different number of nodes it cannot: :func:`check_checkpoint_layout`, called bef
 ``dcp.load``, raises naming both layouts (``dcp.load`` alone fails on the momentum's size). A file per rank of ``opt.state_dict()`` also
 loads, on the layout it was saved on; one rank's file loaded on every rank (a single
 optimizer.pt saved on rank 0) is refused on every rank: the state dict carries a mark of which
-rank saved which part, laid out as the momentum, which DCP reshards with it.
+rank saved which part, laid out as the momentum, which DCP reshards with it. A state dict saved
+before the mark: each rank's own file loads as before, and a rank whose loaded momentum equals
+another rank's (one file loaded on both) is refused on every rank; a DCP checkpoint loads with
+``dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))`` (plain ``dcp.load``
+raises on every rank: ``Missing key ... signmuon.mark``).
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ class ShardedExchange(Exchange):
     def _saved_here(self, mark: Any, rank: int) -> tuple[int, str | None]:
         """(the rank whose state this is, a refusal) from the loaded mark; ``rank``: this one's."""
         if mark is None:
-            return rank, None  # saved before the mark existed: unchecked
+            return rank, None  # saved before the mark existed: checked by its momentum instead
         loaded = (mark.to_local() if isinstance(mark, DTensor) else mark).detach().cpu().flatten()
         row, span = self._mark_row()
         if loaded.shape == row.shape and torch.equal(loaded % span, row):
@@ -234,9 +234,24 @@ class ShardedExchange(Exchange):
             {"state": state, "param_groups": plain, "signmuon": {"steps_taken": info["steps_taken"], "rank": saver}},
             refusal=refusal,
             remedy=_USE_DCP,
+            digest=_momentum_digest(state, self.voter.device) if info.get("mark") is None else None,
         )
         local.pop("signmuon", None)
         return {**local, "signmuon": {"steps_taken": info["steps_taken"]}}
+
+
+def _momentum_digest(state: dict, device: torch.device) -> torch.Tensor:
+    """A state saved before the mark, summed (:func:`~signmuon.optim.checkpoint.agree_to_load`'s
+    ``digest``): ranks' own momenta differ (each node's gradients, each rank's rows), so equal
+    ones are one rank's file loaded on several. All-zero ones sum to 0, never compared (whose
+    they are changes nothing); nodes that saw the same data have equal momenta of their own,
+    whose files are refused too."""
+    momenta = [v for _, values in sorted(state.items()) for k, v in values.items() if k == "momentum_buffer"]
+    digest = torch.zeros(3, dtype=torch.float64, device=device)
+    for i, t in enumerate(momenta):
+        t = t.to(device, torch.float64)
+        digest += torch.stack([t.new_tensor(float(t.numel())), t.sum(), t.square().sum()]) * (i + 1)
+    return digest
 
 
 def _is_shard(value: Any, param: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ configuration in one spawn."""
 
 import copy
 import functools
+import io
 import os
 import re
 import tempfile
@@ -183,6 +184,8 @@ def _resumed(rank):
             assert averager.fragments[0].in_flight is not None
             consensus = averager.consensus_state_dict(model)
             saved = copy.deepcopy((model.state_dict(), inner.state_dict(), averager.state_dict()))
+            if rank == 1:  # as saved before the landing was bytes: the list itself, loaded the same
+                saved[2]["landing"] = torch.load(io.BytesIO(saved[2]["landing"]), weights_only=True)
             model, inner, averager = _averager(period, count, delay, alpha)
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])

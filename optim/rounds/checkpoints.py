@@ -4,6 +4,7 @@ share, and with an outer step each fragment's consensus and outer optimizer)."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -74,7 +75,9 @@ class SavedRounds:
         """Step counter, settings and statistics (what a resumed run needs to continue), and the
         rank that saved it (``"rank"``, in the rounds' group). A fragment's round in flight is
         waited for and saved combined (the same on every rank), so a run resumed from a save
-        between its issue and its landing lands it as it would."""
+        between its issue and its landing lands it as it would. It is saved as bytes (``"landing"``),
+        so the state's names are the same whichever round is in flight: DCP, which loads by
+        name into a fresh averager's state, stores them as one object."""
         self._settle()
         return {
             "rank": group_size_rank(self.process_group)[1],
@@ -92,7 +95,7 @@ class SavedRounds:
             "sync_delay": self.sync_delay,
             "update_alpha": self.update_alpha,
             "consensus": _consensus_states(self.fragments),
-            "landing": [None if p.combined is None else [t.clone() for t in p.combined] for p in self.fragments],
+            "landing": _landing_bytes(self.fragments),
             "landing_skipped": [p.skipped for p in self.fragments],
         }
 
@@ -119,7 +122,7 @@ class SavedRounds:
         self.max_distance = float(state["max_distance"])
         self.stats.load_state_dict(state["stats"])
         self._settle()  # a round of the run given up: not landed here
-        landing = state.get("landing") or [None] * len(self.fragments)
+        landing = _landing(state.get("landing")) or [None] * len(self.fragments)
         skipped = state.get("landing_skipped") or [False] * len(self.fragments)
         for part, saved_part, combined, skip in zip(self.fragments, consensus, landing, skipped):
             part.consensus.load_state_dict(saved_part)
@@ -144,6 +147,20 @@ class SavedRounds:
         if len(consensus) != len(self.fragments):
             return f"the checkpoint's rounds have {len(consensus)} fragment(s), this averager {len(self.fragments)}"
         return None
+
+
+def _landing_bytes(fragments: list[Fragment]) -> bytes:
+    """Each fragment's combined pseudo-gradients waiting to land (None where none), serialized."""
+    buffer = io.BytesIO()
+    torch.save([None if p.combined is None else [t.detach().cpu() for t in p.combined] for p in fragments], buffer)
+    return buffer.getvalue()
+
+
+def _landing(saved: Any) -> list | None:
+    """The landing of a state: bytes, or (saved before) the list itself."""
+    if isinstance(saved, (bytes, bytearray)):
+        return torch.load(io.BytesIO(saved), weights_only=True)
+    return saved
 
 
 def _consensus_states(fragments: list[Fragment]) -> dict[str, Any] | list[dict[str, Any]] | None:

@@ -107,14 +107,60 @@ def _rank0_optimizer_load(net, opt, folder: str, rank: int) -> None:
     opt.load_state_dict(torch.load(f"{folder}/rank0.pt", weights_only=False)["optim"])
 
 
+def _rank0_optimizer_on_rank2(net, opt, folder: str, rank: int) -> None:
+    """Rank 0's optimizer file on rank 2 (node 1's rank of the same rows: the same shapes), each
+    other rank its own."""
+    net.load_state_dict(torch.load(f"{folder}/rank{rank}.pt", weights_only=False)["model"])
+    opt.load_state_dict(torch.load(f"{folder}/rank{0 if rank == 2 else rank}.pt", weights_only=False)["optim"])
+
+
+def _unmarked(save):
+    """``save`` of an optimizer state dict as saved before it carried the mark of who saved it."""
+
+    def strip(net, opt, folder: str, rank: int) -> None:
+        state_dict = opt.state_dict
+
+        def without_mark():
+            state = state_dict()
+            for group in state["param_groups"]:
+                group.get("signmuon", {}).pop("mark", None)
+            return state
+
+        opt.state_dict = without_mark
+        try:
+            save(net, opt, folder, rank)
+        finally:
+            del opt.state_dict
+
+    return strip
+
+
+def _dcp_partial_load(net, opt, folder: str, rank: int) -> None:
+    """``dcp.load`` that leaves what the checkpoint lacks as the fresh objects have it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 SAVES = {
     "dcp": (_dcp_save, _dcp_load),
     "torch.save": (_own_file_save, _own_file_load),
     "rank 0's file": (_own_file_save, _rank0_optimizer_load),
+    "dcp, no mark": (_unmarked(_dcp_save), _dcp_load),
+    "dcp, no mark, partial load": (_unmarked(_dcp_save), _dcp_partial_load),
+    "torch.save, no mark": (_unmarked(_own_file_save), _own_file_load),
+    "rank 0's file, no mark": (_unmarked(_own_file_save), _rank0_optimizer_load),
+    "rank 0's file on rank 2, no mark": (_unmarked(_own_file_save), _rank0_optimizer_on_rank2),
 }
 """How a checkpoint is written and read: DCP (``get_state_dict``/``set_state_dict``), each
 rank's model and optimizer ``state_dict()`` in a file of its own, or rank 0's optimizer file
-loaded on every rank (refused)."""
+loaded on every rank (refused); "no mark": the optimizer's ``state_dict()`` as saved before it
+carried the mark of who saved it."""
 
 
 def resumed(rank: int, world_size: int, config: Config, at: int = 2, via: str = "dcp"):

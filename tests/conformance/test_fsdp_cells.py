@@ -92,6 +92,34 @@ def fsdp_cells() -> list[Cell]:
                 "resume with the saving rank's. On FSDP shards, save with torch.distributed.checkpoint",
                 bind=False,
             ),
+            _fsdp_cell(
+                "whose state comes back",
+                "each rank's own torch.save file of an optimizer state_dict() saved before the mark of who saved "
+                "it: loads as before",
+                Config(entry, (4,) * 4, per_node=2),
+                run=partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2), via="torch.save, no mark"),
+            ),
+            _fsdp_refusal(
+                entry,
+                "whose state comes back",
+                "rank 0's optimizer file saved before the mark, loaded on every rank: refused on every rank",
+                partial(fsdp_world.resumed, config=Config(entry, (4,) * 4, per_node=2), via="rank 0's file, no mark"),
+                "(rank 1 loads rank 0's, rank 2 loads rank 0's, rank 3 loads rank 0's; no rank loaded anything)",
+                bind=False,
+            ),
+            _fsdp_refusal(
+                entry,
+                "whose state comes back",
+                "rank 0's optimizer file saved before the mark, loaded on rank 2 (the same shard shapes), the "
+                "others their own: refused on every rank",
+                partial(
+                    fsdp_world.resumed,
+                    config=Config(entry, (4,) * 4, per_node=2),
+                    via="rank 0's file on rank 2, no mark",
+                ),
+                "(rank 2 loads rank 0's; no rank loaded anything)",
+                bind=False,
+            ),
             _fsdp_refusal(
                 entry,
                 "ranks out of step",
@@ -100,6 +128,26 @@ def fsdp_cells() -> list[Cell]:
                 "VoteMismatchError",
             ),
         ]
+    unmarked = Config("SignumMV", (4,) * 4, per_node=2)
+    cells.append(
+        _fsdp_refusal(
+            "SignumMV",
+            "whose state comes back",
+            "a DCP checkpoint saved before the mark of who saved it, dcp.load: refused by DCP on every rank",
+            partial(fsdp_world.resumed, config=unmarked, via="dcp, no mark"),
+            "Missing key in checkpoint state_dict: optim.param_groups.0.signmuon.mark",
+            bind=False,
+        )
+    )
+    cells.append(
+        _fsdp_cell(
+            "whose state comes back",
+            "a DCP checkpoint saved before the mark, dcp.load with DefaultLoadPlanner(allow_partial_load=True): "
+            "each node's momentum",
+            unmarked,
+            run=partial(fsdp_world.resumed, config=unmarked, via="dcp, no mark, partial load"),
+        )
+    )
     cells.append(
         _fsdp_cell(
             "what the hook is handed",

@@ -11,7 +11,7 @@ from signmuon.optim import SignMuon, SignumMV
 
 from . import options_world, scaler_world
 from .cells import Cell, check_cells
-from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate, train
+from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, batch, simulate, train
 from .ddp_world import _optimizer as _ddp_optimizer
 from .test_fsdp_cells import fsdp_cells
 
@@ -324,6 +324,62 @@ def _python_reducer(rank: int, world_size: int, entry: str):
         torch._dynamo.config.optimize_ddp = before
 
 
+def _compiled_autograd(rank: int, world_size: int, entry: str):
+    """A real compiled autograd run: DDP built under ``optimize_ddp="python_reducer"`` (torch
+    refuses compiled autograd over the C++ reducer), a step whose forward and backward are
+    ``torch.compile(backend="aot_eager")``-d with ``torch._dynamo.config.compiled_autograd``."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    before = config.optimize_ddp, config.compiled_autograd
+    config.optimize_ddp = "python_reducer"
+    try:
+        net = Net()
+        model = DDP(net)
+        opt = _hooked(entry, net, model)
+        config.compiled_autograd = True
+
+        @torch.compile(backend="aot_eager")
+        def forward_backward(x, y):
+            torch.nn.functional.cross_entropy(model(x, True), y).backward()
+
+        for step in range(2):
+            opt.zero_grad()
+            forward_backward(*batch(rank, step, 0))
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        config.optimize_ddp, config.compiled_autograd = before
+        torch._dynamo.reset()  # the next cells run uncompiled
+
+
+def _compiled_in_step(rank: int, world_size: int, config: Config):
+    """The refusal's remedy under compiled autograd: no DDP, ``vote_in_step=True``, forward and
+    backward ``torch.compile(backend="aot_eager")``-d with ``compiled_autograd``."""
+    import torch._dynamo
+
+    torch.set_num_threads(1)
+    net = Net()
+    opt = _ddp_optimizer(config, net, None)
+    for p in net.parameters():  # what DDP's start-up broadcast gives: rank 0's weights
+        torch.distributed.broadcast(p.data, 0)
+    torch._dynamo.config.compiled_autograd = True
+    try:
+
+        @torch.compile(backend="aot_eager")
+        def forward_backward(x, y):
+            torch.nn.functional.cross_entropy(net(x, True), y).backward()
+
+        for step in range(config.steps[rank]):
+            opt.zero_grad()
+            forward_backward(*batch(rank, step, 0))
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        torch._dynamo.reset()
+
+
 def _unfrozen_later(rank: int, world_size: int, entry: str):
     """The head frozen when DDP is built, unfrozen after the first step: DDP never reduces it."""
     net = Net()
@@ -370,6 +426,28 @@ def handed_cells() -> list[Cell]:
                 refusal="optimize_ddp left at its default",
             )
         )
+    for entry in ("SignumMV", "hook-signsgd"):
+        cells.append(
+            Cell(
+                ENTRIES[entry],
+                "what the hook is handed",
+                "torch.compile(backend='aot_eager') with compiled_autograd=True over DDP's python_reducer: "
+                "refused on every rank",
+                partial(_compiled_autograd, entry=entry),
+                refusal="optimize_ddp left at its default",
+            )
+        )
+    compiled = Config("SignumMV-in-step", (2, 2))
+    cells.append(
+        Cell(
+            ENTRIES[compiled.entry],
+            "what the hook is handed",
+            "the remedy: torch.compile(backend='aot_eager') with compiled_autograd=True, no DDP",
+            partial(_compiled_in_step, config=compiled),
+            partial(simulate, compiled),
+            per_rank=True,
+        )
+    )
     for entry in HOOKED[2:]:
         cells.append(
             Cell(

@@ -6,7 +6,7 @@ they cost no spawn of their own."""
 from __future__ import annotations
 
 from .cells import Cell
-from .rounds_world import AVERAGER, CONSENSUS, HOLDS, STATE, STEP, Run, rounds_cell
+from .rounds_world import AVERAGER, CONSENSUS, DCP_DIRECT, HOLDS, STATE, STEP, Run, rounds_cell
 
 STREAM = dict(fragments=2, delay=1, alpha=0.5)
 
@@ -54,6 +54,14 @@ def streaming_two_rank_cells() -> list[Cell]:
             "streaming DiLoCo in a plain loop, resumed after step 5 with a fragment's round in flight from a "
             "torch.save file per rank of the model's, inner optimizer's and averager's state_dict()",
             Run(period=4, steps=9, resume_after=4, **STREAM),
+        ),
+        rounds_cell(
+            AVERAGER,
+            STATE,
+            "streaming DiLoCo in a plain loop, a DCP checkpoint after step 5 with a fragment's round in flight "
+            "(dcp.save of the model's, inner optimizer's and averager's state_dict()), loaded into fresh objects",
+            Run(period=4, steps=9, resume_after=4, dcp="direct", **STREAM),
+            DCP_DIRECT,
         ),
     ]
 
