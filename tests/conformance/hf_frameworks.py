@@ -44,11 +44,12 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": _ids(i), "labels": _ids(i)}
 
 
-def _batch(world_size: int, worker: int, step: int) -> torch.Tensor:
-    return torch.stack([_ids((step * world_size + worker) * ROWS + j) for j in range(ROWS)])
+def _batch(world_size: int, worker: int, index: int) -> torch.Tensor:
+    """The worker's ``index``-th micro-batch: the loader's batch ``index * world_size + worker``."""
+    return torch.stack([_ids((index * world_size + worker) * ROWS + j) for j in range(ROWS)])
 
 
-def trainer_fit(rank: int, world_size: int, kind: str) -> list[torch.Tensor]:
+def trainer_fit(rank: int, world_size: int, kind: str, accumulation: int) -> list[torch.Tensor]:
     from transformers import TrainingArguments
 
     from signmuon.comm_hooks import VoteConfig
@@ -67,6 +68,7 @@ def trainer_fit(rank: int, world_size: int, kind: str) -> list[torch.Tensor]:
             train_sampling_strategy="sequential",
             activation_checkpointing=True,
             max_grad_norm=0.01,
+            gradient_accumulation_steps=accumulation,
             save_strategy="no",
             report_to=[],
             use_cpu=True,
@@ -80,10 +82,11 @@ def trainer_fit(rank: int, world_size: int, kind: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def reference(world_size: int, kind: str) -> list[torch.Tensor]:
-    """The definition: each worker's momentum of its gradient (SignMuon: Newton–Schulz of the Nesterov
-    look-ahead on the matrices but the embeddings), the vote of their signs, decoupled weight decay on
-    the matrices (the Trainer's: none on biases and norms)."""
+def reference(world_size: int, kind: str, accumulation: int) -> list[torch.Tensor]:
+    """The definition: each worker's momentum of its gradient (of its ``accumulation`` micro-batches'
+    mean loss; SignMuon: Newton–Schulz of the Nesterov look-ahead on the matrices but the embeddings),
+    the vote of their signs, decoupled weight decay on the matrices (the Trainer's: none on biases
+    and norms)."""
     from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 
     torch.set_num_threads(1)
@@ -99,8 +102,9 @@ def reference(world_size: int, kind: str) -> list[torch.Tensor]:
             with torch.no_grad():
                 for p, v in zip(net.parameters(), params):
                     p.copy_(v)
-            ids = _batch(world_size, worker, step)
-            net(input_ids=ids, labels=ids).loss.backward()
+            for micro in range(accumulation):
+                ids = _batch(world_size, worker, step * accumulation + micro)
+                (net(input_ids=ids, labels=ids).loss / accumulation).backward()
             for i, p in enumerate(net.parameters()):
                 if p.grad is None:
                     continue
@@ -119,14 +123,18 @@ def reference(world_size: int, kind: str) -> list[torch.Tensor]:
 
 
 def checkpointing_cells() -> list[Cell]:
-    return [
-        Cell(
-            "HF Trainer",
-            "what runs after the hook",
-            f"{kind}, activation_checkpointing=True, max_grad_norm=0.01, weight_decay=0.1: the definition",
-            partial(trainer_fit, kind=kind),
-            partial(reference, kind=kind),
-            atol=1e-6 if kind == "SignMuon" else 0.0,
+    """SignumMV at accumulation 1; SignMuon at 2 (no_sync under the Trainer, with recomputation)."""
+    cells = []
+    for kind, accumulation in (("SignumMV", 1), ("SignMuon", 2)):
+        more = ", gradient_accumulation_steps=2" if accumulation > 1 else ""
+        cells.append(
+            Cell(
+                "HF Trainer",
+                "what runs after the hook",
+                f"{kind}, activation_checkpointing=True, max_grad_norm=0.01, weight_decay=0.1{more}: the definition",
+                partial(trainer_fit, kind=kind, accumulation=accumulation),
+                partial(reference, kind=kind, accumulation=accumulation),
+                atol=1e-6 if kind == "SignMuon" else 0.0,
+            )
         )
-        for kind in ("SignumMV", "SignMuon")
-    ]
+    return cells

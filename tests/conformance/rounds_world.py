@@ -119,6 +119,8 @@ class Run:
         pairs: ranks 0, 1 and ranks 2, 3 each run their rounds over a process group of their own
             (DDP, where ``ddp``, over the same group).
         interleaved: with ``pairs``, the groups are ranks 0, 2 and ranks 1, 3.
+        pseudo_gradient: the outer step's rule (``"sign_vote"``: the vote of the workers' signs,
+            each tensor scaled by their mean of its mean magnitude; ties vote 0).
     """
 
     outer: bool = True
@@ -141,6 +143,7 @@ class Run:
     pairs: bool = False
     dcp: str = ""
     interleaved: bool = False
+    pseudo_gradient: str = "mean"
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -163,7 +166,7 @@ def _build(run: Run, where: dict):
         warmup_steps=run.warmup,
         pull=run.pull,
         push=run.push,
-        outer=OuterStep.diloco() if run.outer else None,
+        outer=OuterStep.diloco(pseudo_gradient=run.pseudo_gradient) if run.outer else None,
         module=model,
         **where,
         fragments=run.fragments,
@@ -332,7 +335,11 @@ def _simulate(run: Run, ranks: tuple[int, ...]) -> list[dict]:
             if run.outer and k > 0 and (k + run.delay) % every == 0:  # taken τ steps before it lands
                 a, b = runs[((k + run.delay) // every - 1) % run.fragments]
                 for i in range(a, b):
-                    consensus[i].grad = sum(consensus[i] - ps[i] for ps in params) / workers
+                    deltas = [consensus[i] - ps[i] for ps in params]
+                    consensus[i].grad = sum(deltas) / workers
+                    if run.pseudo_gradient == "sign_vote":
+                        scale = sum(d.abs().mean() for d in deltas) / workers
+                        consensus[i].grad = torch.sign(sum(torch.sign(d) for d in deltas)) * scale
             if not _is_round(run, step) if not run.outer else not (k > 0 and k % every == 0):
                 continue
             if run.outer:

@@ -160,6 +160,12 @@ def four_rank_cells() -> list[Cell]:
         rounds_cell(
             AVERAGER,
             "who votes",
+            "one-bit rounds (pseudo_gradient='sign_vote', ties vote 0) over groups {0, 2} and {1, 3}",
+            Run(pairs=True, interleaved=True, pseudo_gradient="sign_vote"),
+        ),
+        rounds_cell(
+            AVERAGER,
+            "who votes",
             "DPPF around DiLoCo's consensus over groups {0, 2} and {1, 3}, a head without a gradient on rank 1",
             Run(pairs=True, interleaved=True, pull=0.6, push=0.02, unused_on=(1,)),
         ),
