@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.comm_hooks.dist import barrier
+from signmuon.comm_hooks.dist import all_reduce, barrier
 from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 from signmuon.optim.checkpoint import refuse_load
 
@@ -224,16 +224,27 @@ def initialize(
 
 
 def _clip_own_norm(engine) -> None:
-    """DeepSpeed's clipping with this rank's own norm. Its ``clip_grad_norm_`` averages the norm
+    """DeepSpeed's clipping with this worker's own norm. Its ``clip_grad_norm_`` averages the norm
     over the data-parallel ranks (meant for gradients already averaged): on gradients not yet
-    voted that clips every worker at the others' mean norm."""
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    if not grads:
-        return
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    voted that clips every worker at the others' mean norm. Under an mpu the norm is summed over
+    the model-parallel group, each replicated tensor counted once, as DeepSpeed does."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    mpu = engine.mpu
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    counted = [
+        torch.linalg.vector_norm(p.grad.float())
+        for p in params
+        if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)
+    ]
+    norm = torch.linalg.vector_norm(torch.stack(counted)) if counted else torch.zeros((), device=engine.device)
+    if mpu is not None:  # every rank of the group, with a gradient or not
+        squares = norm.square()
+        all_reduce(squares, mpu.get_model_parallel_group())
+        norm = squares.sqrt()
     coefficient = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient)
+    for p in params:
+        p.grad.mul_(coefficient)
 
 
 def _checkpoint_per_rank(engine, opt) -> None:
