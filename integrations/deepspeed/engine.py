@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.comm_hooks.dist import barrier
+from signmuon.comm_hooks.dist import all_reduce, barrier
 from signmuon.optim import SIGN_OPTIMIZERS, sign_optimizer_from_spec
 from signmuon.optim.checkpoint import refuse_load
 
@@ -142,8 +142,10 @@ def initialize(
 
     DeepSpeed clips gradients at norm 1.0 unless the config sets ``"gradient_clipping"``. With
     the overlapped vote it clips the voted ±1 tensor, whose sign ``step()`` takes, so it changes
-    nothing; with ``overlap_backward=False`` it clips each worker's local gradient before its
-    momentum: set it to 0 there for the exact math of the DDP hook.
+    nothing; with ``overlap_backward=False`` it clips each worker's local gradient at that
+    worker's own norm before its momentum, as ``clip_grad_norm_`` before a ``vote_in_step``
+    step does (DeepSpeed's own clipping would use the ranks' mean norm): set it to 0 there for
+    the exact math of the DDP hook.
 
     Refused for any config: a monitor ``job_name`` (``csv_monitor``, ``tensorboard``, ``wandb``,
     ``comet``) that is a path rather than a name, since DeepSpeed would write outside its
@@ -216,7 +218,33 @@ def initialize(
     _checkpoint_per_rank(engine, opt)
     if overlap_backward:
         opt.register_backward_reducer(sync=engine.is_gradient_accumulation_boundary)
+    else:
+        engine.clip_fp32_gradients = functools.partial(_clip_own_norm, engine)
     return engine, ds_optimizer, loader, scheduler
+
+
+def _clip_own_norm(engine) -> None:
+    """DeepSpeed's clipping with this worker's own norm. Its ``clip_grad_norm_`` averages the norm
+    over the data-parallel ranks (meant for gradients already averaged): on gradients not yet
+    voted that clips every worker at the others' mean norm. Under an mpu the norm is summed over
+    the model-parallel group, each replicated tensor counted once, as DeepSpeed does."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    mpu = engine.mpu
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    counted = [
+        torch.linalg.vector_norm(p.grad.float())
+        for p in params
+        if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)
+    ]
+    norm = torch.linalg.vector_norm(torch.stack(counted)) if counted else torch.zeros((), device=engine.device)
+    if mpu is not None:  # every rank of the group, with a gradient or not
+        squares = norm.square()
+        all_reduce(squares, mpu.get_model_parallel_group())
+        norm = squares.sqrt()
+    coefficient = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coefficient)
 
 
 def _checkpoint_per_rank(engine, opt) -> None:

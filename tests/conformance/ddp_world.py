@@ -72,6 +72,8 @@ class Config:
     """More of DDP's constructor options (static_graph, gradient_as_bucket_view, bucket_cap_mb)."""
     param_groups: bool = False
     """Three groups (body.0, body.2, extra) with :data:`GROUPS`' lr and weight_decay."""
+    non_matrix: str = "signum"
+    """SignMuon's path for the biases: "adamw" is torch's AdamW on the mean of every rank's gradient."""
 
     @property
     def vote(self) -> VoteConfig:
@@ -135,7 +137,7 @@ def _optimizer(config: Config, net: Net, given):
         params = [dict(params=list(m.parameters()), lr=lr, weight_decay=wd) for m, (lr, wd) in zip(layers, GROUPS)]
     kind = config.entry.split("-")[0]
     if kind == "SignMuon":
-        opt = SignMuon(params, lr=LR, momentum=BETA, **options)
+        opt = SignMuon(params, lr=LR, momentum=BETA, non_matrix=config.non_matrix, **options)
     elif kind == "SignSGDMV":
         opt = SignSGDMV(params, lr=LR, **options)
     else:
@@ -248,8 +250,11 @@ def _simulate_group(config: Config, workers: tuple[int, ...]) -> list[torch.Tens
     params = [p.detach().clone() for p in Net().parameters()]
     voters = workers[:: config.per_node] if config.per_node else workers
     momenta = {w: [torch.zeros_like(p) for p in params] for w in voters}
+    hyper = [h for h in GROUPS for _ in range(2)] if config.param_groups else [(LR, 0.0)] * len(params)
+    adamw = _AdamW(config, params, hyper)
     for step in range(max(config.steps[w] for w in workers)):
         grads = {w: _grads(config, params, w, step) if step < config.steps[w] else None for w in workers}
+        means = adamw.step(params, grads, workers)
         if config.per_node:
             grads = _node_means(config, grads, workers)
         if step < config.warmup:  # the all-reduced mean; a rank without a gradient adds zeros
@@ -265,11 +270,40 @@ def _simulate_group(config: Config, workers: tuple[int, ...]) -> list[torch.Tens
             directions = [_direction(config, grads[w][i] if grads[w] else None, momenta[w][i], i) for w in voters]
             voted.append(torch.sign(sum(torch.sign(d) for d in directions)))
         if config.param_groups:  # decoupled: W * (1 - lr * wd) - lr * vote
-            hyper = [h for h in GROUPS for _ in range(2)]
             params = [p * (1 - lr * wd) - lr * v for p, v, (lr, wd) in zip(params, voted, hyper)]
         else:
             params = [p.add(v, alpha=-LR) for p, v in zip(params, voted)]
+        params = [p if m is None else m for p, m in zip(params, means)]  # the AdamW path's
     return params
+
+
+class _AdamW:
+    """SignMuon's ``non_matrix="adamw"`` path by torch's own AdamW: each bias steps on the mean
+    of every worker's gradient (zeros where a worker has none, as DDP adds them)."""
+
+    def __init__(self, config: Config, params: list[torch.Tensor], hyper) -> None:
+        self.on = [config.non_matrix == "adamw" and p.dim() < 2 for p in params]
+        self.leaves = [torch.nn.Parameter(p.clone()) if on else None for p, on in zip(params, self.on)]
+        self.optimizers = [
+            torch.optim.AdamW([leaf], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd) if leaf is not None else None
+            for leaf, (lr, wd) in zip(self.leaves, hyper)
+        ]
+
+    def step(self, params, grads: dict, workers) -> list[torch.Tensor | None]:
+        """Each AdamW parameter's new value (None for the voted ones)."""
+        out = []
+        for i, (leaf, opt) in enumerate(zip(self.leaves, self.optimizers)):
+            if leaf is None:
+                out.append(None)
+                continue
+            present = [grads[w][i] for w in workers if grads[w] and grads[w][i] is not None]
+            total = torch.zeros_like(params[i])
+            for g in present:
+                total = total + g
+            leaf.grad = total / len(workers)
+            opt.step()
+            out.append(leaf.detach().clone())
+        return out
 
 
 def simulate(config: Config, world_size: int) -> list[list[torch.Tensor]]:

@@ -116,7 +116,11 @@ class Run:
         dcp: resume through a DCP checkpoint (``get_state_dict``, ``dcp.save``, ``dcp.load``), into
             ``"fresh"`` objects or ``"running"`` ones; ``"direct"``: ``dcp.save`` of the model's,
             the optimizer's and the averager's ``state_dict()``, loaded the same way into fresh objects.
-        pairs: ranks 0, 1 and ranks 2, 3 each run their rounds over a process group of their own.
+        pairs: ranks 0, 1 and ranks 2, 3 each run their rounds over a process group of their own
+            (DDP, where ``ddp``, over the same group).
+        interleaved: with ``pairs``, the groups are ranks 0, 2 and ranks 1, 3.
+        pseudo_gradient: the outer step's rule (``"sign_vote"``: the vote of the workers' signs,
+            each tensor scaled by their mean of its mean magnitude; ties vote 0).
     """
 
     outer: bool = True
@@ -138,6 +142,15 @@ class Run:
     period: int = PERIOD
     pairs: bool = False
     dcp: str = ""
+    interleaved: bool = False
+    pseudo_gradient: str = "mean"
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each process group of ``pairs`` (else one of all four)."""
+        if not self.pairs:
+            return ((0, 1, 2, 3),)
+        return ((0, 2), (1, 3)) if self.interleaved else ((0, 1), (2, 3))
 
 
 # --- on every rank of the spawn -------------------------------------------------------------------
@@ -145,13 +158,15 @@ class Run:
 
 def _build(run: Run, where: dict):
     model = _model(run.model)
-    net = DDP(model) if run.ddp else model  # DDP first: its constructor copies rank 0's parameters
+    net = (
+        DDP(model, process_group=where.get("process_group")) if run.ddp else model
+    )  # DDP first: its constructor copies rank 0's parameters
     averager = LocalStepAverager(
         period=run.period,
         warmup_steps=run.warmup,
         pull=run.pull,
         push=run.push,
-        outer=OuterStep.diloco() if run.outer else None,
+        outer=OuterStep.diloco(pseudo_gradient=run.pseudo_gradient) if run.outer else None,
         module=model,
         **where,
         fragments=run.fragments,
@@ -236,7 +251,8 @@ def train(rank: int, world_size: int, run: Run) -> dict:
     """This rank's parameters, the consensus state dict and a fresh model loaded with it."""
     where = {"layout": node_layout(None, run.per_node) if run.per_node else None}
     if run.pairs:  # every rank makes every group, in the same order
-        where["process_group"] = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+        made = [dist.new_group(list(ranks)) for ranks in run.groups]
+        where["process_group"] = next(g for g, ranks in zip(made, run.groups) if rank in ranks)
     built = _build(run, where)
     for step in range(run.steps + (rank in run.ahead)):
         _step(built, run, rank, step)
@@ -284,10 +300,10 @@ def _pull_push(params: list[torch.Tensor], targets: list[torch.Tensor], pull: fl
         p.copy_(p - pull * x + push * x / max(r, 1e-8))
 
 
-def _simulate(run: Run, world_size: int, first: int = 0) -> list[dict]:
-    """Ranks ``first`` to ``first + world_size - 1``, the workers of one process group."""
+def _simulate(run: Run, ranks: tuple[int, ...]) -> list[dict]:
+    """The ranks of one process group, its workers (each ``per_node`` consecutive ones a node)."""
     per = run.per_node or 1
-    workers = world_size // per
+    workers = len(ranks) // per
     models = [_model(run.model) for _ in range(workers)]
     inners = [_inner(m, run.grouped) for m in models]
     params = [list(m.parameters()) for m in models]  # torch lists a tied weight once
@@ -299,7 +315,7 @@ def _simulate(run: Run, world_size: int, first: int = 0) -> list[dict]:
     for step in range(run.steps):
         for w, (m, inner) in enumerate(zip(models, inners)):
             inner.zero_grad()
-            for rank in range(first + w * per, first + (w + 1) * per):  # a node's gradient: its ranks' mean
+            for rank in ranks[w * per : (w + 1) * per]:  # a node's gradient: its ranks' mean
                 _loss(run.model, m, _tokens(run.model, rank, step), rank not in run.unused_on).backward()
             for p in m.parameters():
                 if p.grad is not None:
@@ -319,7 +335,11 @@ def _simulate(run: Run, world_size: int, first: int = 0) -> list[dict]:
             if run.outer and k > 0 and (k + run.delay) % every == 0:  # taken τ steps before it lands
                 a, b = runs[((k + run.delay) // every - 1) % run.fragments]
                 for i in range(a, b):
-                    consensus[i].grad = sum(consensus[i] - ps[i] for ps in params) / workers
+                    deltas = [consensus[i] - ps[i] for ps in params]
+                    consensus[i].grad = sum(deltas) / workers
+                    if run.pseudo_gradient == "sign_vote":
+                        scale = sum(d.abs().mean() for d in deltas) / workers
+                        consensus[i].grad = torch.sign(sum(torch.sign(d) for d in deltas)) * scale
             if not _is_round(run, step) if not run.outer else not (k > 0 and k % every == 0):
                 continue
             if run.outer:
@@ -332,7 +352,7 @@ def _simulate(run: Run, world_size: int, first: int = 0) -> list[dict]:
             targets = [sum(ps[i] for ps in params) / workers for i in range(len(consensus))]
             for ps in params:
                 _pull_push(ps, targets, run.pull, run.push)
-    return [_expected(run, models, consensus, rank // per) for rank in range(world_size)]
+    return [_expected(run, models, consensus, i // per) for i in range(len(ranks))]
 
 
 def _expected(run: Run, models: list[nn.Module], consensus: list[torch.Tensor], worker: int) -> dict:
@@ -354,9 +374,11 @@ def simulate(run: Run, world_size: int) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs: the same float results
     try:
-        if run.pairs:  # two worlds of two ranks
-            return _simulate(run, 2) + _simulate(run, 2, first=2)
-        return _simulate(run, world_size)
+        groups = run.groups if run.pairs else (tuple(range(world_size)),)
+        by_rank = {}
+        for ranks in groups:  # each group a world of its own
+            by_rank.update(zip(ranks, _simulate(run, ranks)))
+        return [by_rank[r] for r in range(world_size)]
     finally:
         torch.set_num_threads(threads)
 

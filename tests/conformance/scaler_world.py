@@ -240,5 +240,17 @@ def scaler_cells() -> list[Cell]:
                 "a GradScaler not given to the optimizer: refused at scaler.step() on every rank",
                 ScalerConfig(entry, give_scaler=False),
             ),
+            _cell(
+                "bf16 autocast under GradScaler, the scale doubling every step, NaN on rank 0 at step 1 and Inf "
+                "on rank 1 at step 4, tiny buckets, unscale_ then clip_grad_norm_(0.1)",
+                ScalerConfig(
+                    entry,
+                    bad=((0, 1, "all"), (1, 4, "extra.bias")),
+                    autocast="bfloat16",
+                    growth_interval=1,
+                    bucket_mb=1e-5,
+                    clip=0.1,
+                ),
+            ),
         ]
     return cells

@@ -110,6 +110,21 @@ def four_rank_cells() -> list[Cell]:
                 Config(entry, (3,) * 4, micro=2, per_node=2),
             ),
         ]
+    for entry in ("SignumMV", "SignMuon", "SignumMV-in-step"):
+        cells.append(
+            _node_cell(
+                "what the optimizer holds",
+                "2 nodes x 2, 3 parameter groups, each its own lr and weight_decay",
+                Config(entry, (3,) * 4, per_node=2, param_groups=True),
+            )
+        )
+    cells.append(
+        _node_cell(
+            "what the optimizer holds",
+            "2 nodes x 2, non_matrix='adamw' (torch's AdamW on every rank's mean gradient), 3 parameter groups",
+            Config("SignMuon", (3,) * 4, per_node=2, param_groups=True, non_matrix="adamw"),
+        )
+    )
     for entry in ("SignumMV", "SignMuon", "SignumMV-in-step"):  # the bare hook's SGD applies the clipped vote
         cells.append(
             _node_cell(
@@ -172,6 +187,14 @@ def ddp_option_cells() -> list[Cell]:
                 "what the optimizer holds",
                 "3 parameter groups, each its own lr and weight_decay, zero_grad(set_to_none=False)",
                 Config(entry, param_groups=True, set_to_none=False),
+            )
+        )
+    for entry in ("SignMuon", "SignMuon-in-step"):
+        cells.append(
+            _cell(
+                "what the optimizer holds",
+                "non_matrix='adamw' (torch's AdamW on the mean gradient), 3 parameter groups, each its own lr and weight_decay",
+                Config(entry, param_groups=True, non_matrix="adamw"),
             )
         )
     return cells + options_world.option_cells()

@@ -31,7 +31,7 @@ from signmuon.comm_hooks import VoteConfig
 from signmuon.optim import LocalStepAverager, SignMuon, SignumMV
 from signmuon.optim.checkpoint import refuse_load
 
-from . import accumulation_frameworks, scaler_frameworks
+from . import accumulation_frameworks, hf_frameworks, scaler_frameworks
 from .cells import Cell, check_cells
 from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate
 
@@ -403,7 +403,8 @@ def test_node_aware_ranks_resume_their_own_slices():
 def test_frameworks_resume_each_ranks_momentum():
     for extra in ("transformers", "lightning", "accelerate"):
         pytest.importorskip(extra, reason=f"the {extra} extra")
-    check_cells(framework_overflow_cells() + framework_accumulation_cells() + framework_cells(), 2, timeout=600)
+    cells = framework_checkpointing_cells() + framework_overflow_cells() + framework_accumulation_cells()
+    check_cells(cells + framework_cells(), 2, timeout=600)
 
 
 def framework_overflow_cells() -> list[Cell]:
@@ -414,3 +415,8 @@ def framework_overflow_cells() -> list[Cell]:
 def framework_accumulation_cells() -> list[Cell]:
     """What the hook is handed through Accelerate's and Lightning's accumulation, in the same spawn (:mod:`.accumulation_frameworks`)."""
     return accumulation_frameworks.accumulation_cells()
+
+
+def framework_checkpointing_cells() -> list[Cell]:
+    """What runs after the hook through the HF Trainer with activation checkpointing and clipping (:mod:`.hf_frameworks`)."""
+    return hf_frameworks.checkpointing_cells()

@@ -146,6 +146,31 @@ def four_rank_cells() -> list[Cell]:
         ),
         rounds_cell(
             AVERAGER,
+            "who votes",
+            "DiLoCo over a process group of one's own (ranks 0, 1 and 2, 3): each pair's outer step alone",
+            Run(pairs=True),
+        ),
+        rounds_cell(
+            AVERAGER,
+            "who votes",
+            "DiLoCo under local_sgd over groups {0, 2} and {1, 3} (DDP over the same group), warm-up 2, "
+            "resumed after step 6 from a torch.save file per rank",
+            Run(pairs=True, interleaved=True, ddp=True, warmup=2, steps=9, resume_after=5),
+        ),
+        rounds_cell(
+            AVERAGER,
+            "who votes",
+            "one-bit rounds (pseudo_gradient='sign_vote', ties vote 0) over groups {0, 2} and {1, 3}",
+            Run(pairs=True, interleaved=True, pseudo_gradient="sign_vote"),
+        ),
+        rounds_cell(
+            AVERAGER,
+            "who votes",
+            "DPPF around DiLoCo's consensus over groups {0, 2} and {1, 3}, a head without a gradient on rank 1",
+            Run(pairs=True, interleaved=True, pull=0.6, push=0.02, unused_on=(1,)),
+        ),
+        rounds_cell(
+            AVERAGER,
             STATE,
             "DiLoCo over a process group of one's own (ranks 0, 1 and 2, 3), resumed after step 5 from DCP's "
             "dcp.save of the model's, inner optimizer's and averager's state_dict() on all four ranks",

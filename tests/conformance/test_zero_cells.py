@@ -269,6 +269,58 @@ def stage0_trained(rank, world_size, config, overlap=True, frozen=False, resume_
         _done(folder)
 
 
+def stage0_bf16(rank, world_size, name, gas, overlap, clip):
+    """A stage-0 engine under ``"bf16": {"enabled": true}``: the module's bf16 parameters and our float32 masters."""
+    torch.set_num_threads(1)
+    net = ddp_world.Net()
+    ds = _stage0_config(name, gas) | {"bf16": {"enabled": True}, "gradient_clipping": clip}
+    engine, optimizer, _, _ = initialize(model=net, config=ds, overlap_backward=overlap)
+    for step in range(3):
+        for micro in range(gas):
+            x, y = ddp_world.batch(rank, step, micro)
+            engine.backward(torch.nn.functional.cross_entropy(engine(x.bfloat16()).float(), y))
+            engine.step()
+    return {
+        "bf16": [p.detach().clone() for p in net.parameters()],
+        "master": [optimizer.state[p]["master_weight"].clone() for p in net.parameters()],
+    }
+
+
+def bf16_reference(world_size, name, gas, clip=0.0):
+    """The workers in a loop: each a bf16 copy of the float32 masters (which start from the bf16 cast, as
+    the engine's), its bf16 gradients of the micro-batches' losses over ``gas`` summed, clipped at ``clip``
+    times its own norm (of the float32 norms of its tensors), momentum in float32."""
+    from signmuon.optim.newton_schulz import as_matrix, newton_schulz
+
+    torch.set_num_threads(1)
+    masters = [p.detach().bfloat16().float() for p in ddp_world.Net().parameters()]
+    momenta = [[torch.zeros_like(m) for m in masters] for _ in range(world_size)]
+    for step in range(3):
+        signs = [torch.zeros_like(m) for m in masters]
+        for worker in range(world_size):
+            net = ddp_world.Net().bfloat16()
+            with torch.no_grad():
+                for p, m in zip(net.parameters(), masters):
+                    p.copy_(m)
+            for micro in range(gas):
+                x, y = ddp_world.batch(worker, step, micro)
+                (torch.nn.functional.cross_entropy(net(x.bfloat16()).float(), y) / gas).backward()
+            if clip:
+                norm = torch.stack([p.grad.float().norm() for p in net.parameters()]).norm()
+                for p in net.parameters():
+                    p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+            for i, p in enumerate(net.parameters()):
+                grad, momentum = p.grad.float(), momenta[worker][i]
+                momentum.lerp_(grad, 1 - ddp_world.BETA)
+                direction = momentum
+                if name == "SignMuon":
+                    look = grad.lerp(momentum, ddp_world.BETA)
+                    direction = newton_schulz(as_matrix(look), 5).view_as(look) if look.dim() >= 2 else look
+                signs[i] += torch.sign(direction)
+        masters = [m.add(torch.sign(s), alpha=-ddp_world.LR) for m, s in zip(masters, signs)]
+    return {"bf16": [m.bfloat16() for m in masters], "master": masters}
+
+
 class TwoWayModelParallel:
     """DeepSpeed's mpu protocol for tensor parallelism of 2 on 4 ranks: model-parallel groups
     {0, 1} and {2, 3}, data-parallel groups {0, 2} and {1, 3} (each rank here holds the whole
@@ -363,6 +415,22 @@ def stage0_cells() -> list[Cell]:
                 refusal="VoteMismatchError",
             ),
         ]
+        # SignumMV with the vote overlapped, SignMuon with it in step(): one engine each (their start-up is the cost)
+        overlap, clip, how = (
+            (True, 1.0, "overlapped, gradient_clipping=1.0")
+            if name == "SignumMV"
+            else (False, 0.3, "vote in step(), gradient_clipping=0.3 (each worker at its own norm)")
+        )
+        cells.append(
+            Cell(
+                entry,
+                "what the hook is handed",
+                f"bf16, gradient_accumulation_steps=2, {how}: the bf16 gradients voted once, float32 master weights",
+                partial(stage0_bf16, name=name, gas=2, overlap=overlap, clip=clip),
+                partial(bf16_reference, name=name, gas=2, clip=0.0 if overlap else clip),
+                atol=atol,
+            )
+        )
     return cells
 
 
