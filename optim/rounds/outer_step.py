@@ -51,7 +51,9 @@ class OuterStep:
     scale_block: int = 0
     """Entries per scale of ``"sign_vote"`` and ``"sign_vote_ef"``: 0 scales each tensor as a
     whole; ``B`` scales each run of ``B`` entries of a tensor on its own (a 32-bit scale per
-    block: ``32/B`` bits per entry more), so the voted signs keep more of the magnitudes."""
+    block: ``32/B`` bits per entry more), so the voted signs keep more of the magnitudes. In
+    node-aware rounds a tensor (or block) cut by the boundary of two rails' slices is scaled
+    per piece."""
 
     SCALED: ClassVar[tuple[str, ...]] = tuple(name for name, rule in RULES.items() if rule.scaled)
     """The rules whose voted signs take ``scale_block`` and ``scale_bits``."""

@@ -334,12 +334,22 @@ def _simulate(run: Run, ranks: tuple[int, ...]) -> list[dict]:
             k = step - run.warmup + 1  # local steps since the warm-up
             if run.outer and k > 0 and (k + run.delay) % every == 0:  # taken τ steps before it lands
                 a, b = runs[((k + run.delay) // every - 1) % run.fragments]
+                total = sum(c.numel() for c in consensus[a:b])
+                chunk = -(-total // run.per_node) if run.per_node else total  # each rail's slice of the fragment
+                start = 0
                 for i in range(a, b):
                     deltas = [consensus[i] - ps[i] for ps in params]
                     consensus[i].grad = sum(deltas) / workers
-                    if run.pseudo_gradient == "sign_vote":
-                        scale = sum(d.abs().mean() for d in deltas) / workers
-                        consensus[i].grad = torch.sign(sum(torch.sign(d) for d in deltas)) * scale
+                    if run.pseudo_gradient == "sign_vote":  # one scale per tensor, per piece where a slice cuts it
+                        grad = torch.sign(sum(torch.sign(d) for d in deltas)).reshape(-1)
+                        end = start + grad.numel()
+                        cuts = sorted({start, end} | set(range(chunk * (start // chunk + 1), end, chunk)))
+                        for lo, hi in zip(cuts, cuts[1:]):
+                            grad[lo - start : hi - start] *= (
+                                sum(d.reshape(-1)[lo - start : hi - start].abs().mean() for d in deltas) / workers
+                            )
+                        consensus[i].grad = grad.view_as(deltas[0])
+                    start += consensus[i].numel()
             if not _is_round(run, step) if not run.outer else not (k > 0 and k % every == 0):
                 continue
             if run.outer:

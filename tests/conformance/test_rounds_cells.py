@@ -132,6 +132,12 @@ def four_rank_cells() -> list[Cell]:
         ),
         rounds_cell(
             CONSENSUS,
+            HOLDS,
+            "node-aware one-bit rounds (sign_vote, 2 x 2): a tensor cut by the rails' slices scaled per piece",
+            Run(pseudo_gradient="sign_vote", **nodes),
+        ),
+        rounds_cell(
+            CONSENSUS,
             STEP,
             "node-aware DiLoCo (2 x 2), node 1 one step ahead",
             Run(steps=4, ahead=(2, 3), **nodes),
