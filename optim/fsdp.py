@@ -27,7 +27,8 @@ loads, on the layout it was saved on; one rank's file loaded on every rank (a si
 optimizer.pt saved on rank 0) is refused on every rank: the state dict carries a mark of which
 rank saved which part, laid out as the momentum, which DCP reshards with it. A state dict saved
 before the mark: each rank's own file loads as before, and a rank whose loaded momentum equals
-another rank's (one file loaded on both) is refused on every rank; a DCP checkpoint loads with
+another rank's (one file loaded on both) is refused on every rank, as every load is past 50
+ranks per node (where some ranks hold none of the mark); a DCP checkpoint loads with
 ``dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))`` (plain ``dcp.load``
 raises on every rank: ``Missing key ... signmuon.mark``).
 """

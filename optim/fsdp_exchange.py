@@ -161,6 +161,13 @@ class ShardedExchange(Exchange):
         columns = chunks[local] if local < len(chunks) else torch.zeros(0, dtype=torch.int64)
         return node * _MARK_COLUMNS + columns, nodes * _MARK_COLUMNS
 
+    def _mark_misses(self) -> bool:
+        """Whether some rank of a node holds no column of the mark (more ranks per node than its
+        columns share out): a rank's check of it then proves nothing, so every rank's load is
+        also checked by its momentum (as a state saved before the mark is)."""
+        per_node = self.mesh_shape[1]
+        return len(torch.arange(_MARK_COLUMNS).chunk(per_node)) < per_node
+
     def _mark(self, rank: int) -> DTensor:
         """Who saved which part of the state: entry (node, column) of an (N, C) DTensor laid out
         as the momentum is holds node x C + column + the saving rank x N x C. DCP hands every rank
@@ -234,7 +241,9 @@ class ShardedExchange(Exchange):
             {"state": state, "param_groups": plain, "signmuon": {"steps_taken": info["steps_taken"], "rank": saver}},
             refusal=refusal,
             remedy=_USE_DCP,
-            digest=_momentum_digest(state, self.voter.device) if info.get("mark") is None else None,
+            digest=_momentum_digest(state, self.voter.device)
+            if info.get("mark") is None or self._mark_misses()
+            else None,
         )
         local.pop("signmuon", None)
         return {**local, "signmuon": {"steps_taken": info["steps_taken"]}}

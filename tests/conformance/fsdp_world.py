@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from signmuon.comm_hooks import VoteConfig
-from signmuon.optim import SignMuon, SignumMV, node_mesh, register_fsdp_vote
+from signmuon.optim import SignMuon, SignumMV, fsdp_exchange, node_mesh, register_fsdp_vote
 
 from .ddp_world import BETA, LR, Config, Net, backward
 
@@ -147,6 +147,27 @@ def _dcp_partial_load(net, opt, folder: str, rank: int) -> None:
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _one_mark_column(load):
+    """``load`` where the mark has one column, so node 1's rank 3 holds none of it (as every
+    rank past the 50th of a node holds none of the 2520 columns)."""
+
+    def narrow(net, opt, folder: str, rank: int) -> None:
+        columns = fsdp_exchange._MARK_COLUMNS
+        fsdp_exchange._MARK_COLUMNS = 1
+        try:
+            load(net, opt, folder, rank)
+        finally:
+            fsdp_exchange._MARK_COLUMNS = columns
+
+    return narrow
+
+
+def _rank1_optimizer_on_rank3(net, opt, folder: str, rank: int) -> None:
+    """Rank 1's optimizer file on rank 3 (node 1's rank of the same rows), each other rank its own."""
+    net.load_state_dict(torch.load(f"{folder}/rank{rank}.pt", weights_only=False)["model"])
+    opt.load_state_dict(torch.load(f"{folder}/rank{1 if rank == 3 else rank}.pt", weights_only=False)["optim"])
+
+
 SAVES = {
     "dcp": (_dcp_save, _dcp_load),
     "torch.save": (_own_file_save, _own_file_load),
@@ -156,6 +177,10 @@ SAVES = {
     "torch.save, no mark": (_unmarked(_own_file_save), _own_file_load),
     "rank 0's file, no mark": (_unmarked(_own_file_save), _rank0_optimizer_load),
     "rank 0's file on rank 2, no mark": (_unmarked(_own_file_save), _rank0_optimizer_on_rank2),
+    "rank 1's file on rank 3, one mark column": (
+        _one_mark_column(_own_file_save),
+        _one_mark_column(_rank1_optimizer_on_rank3),
+    ),
 }
 """How a checkpoint is written and read: DCP (``get_state_dict``/``set_state_dict``), each
 rank's model and optimizer ``state_dict()`` in a file of its own, or rank 0's optimizer file

@@ -122,6 +122,19 @@ def fsdp_cells() -> list[Cell]:
             ),
             _fsdp_refusal(
                 entry,
+                "whose state comes back",
+                "rank 1's optimizer file loaded on rank 3, which holds no column of the mark (as past 50 ranks a "
+                "node): refused on every rank by the momentum",
+                partial(
+                    fsdp_world.resumed,
+                    config=Config(entry, (4,) * 4, per_node=2),
+                    via="rank 1's file on rank 3, one mark column",
+                ),
+                "(rank 3 loads rank 1's; no rank loaded anything)",
+                bind=False,
+            ),
+            _fsdp_refusal(
+                entry,
                 "ranks out of step",
                 "rank 3 a step ahead, voted during backward: refused on every rank",
                 partial(fsdp_world.a_step_ahead, during_backward=True),
