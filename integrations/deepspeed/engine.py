@@ -233,18 +233,16 @@ def _clip_own_norm(engine) -> None:
     mpu = engine.mpu
     params = [p for p in engine.module.parameters() if p.grad is not None]
     counted = [
-        torch.linalg.vector_norm(p.grad.float())
+        p.grad.float()
         for p in params
         if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)
     ]
-    norm = torch.linalg.vector_norm(torch.stack(counted)) if counted else torch.zeros((), device=engine.device)
+    norm = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=engine.device)
     if mpu is not None:  # every rank of the group, with a gradient or not
         squares = norm.square()
         all_reduce(squares, mpu.get_model_parallel_group())
         norm = squares.sqrt()
-    coefficient = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coefficient)
+    torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), norm)
 
 
 def _checkpoint_per_rank(engine, opt) -> None:

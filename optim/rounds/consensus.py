@@ -82,12 +82,6 @@ class Consensus:
             c.copy_(flat[lo:hi])
 
     @torch.no_grad()
-    def advance(self, flats: list[torch.Tensor], stats: CommStats | None) -> list[torch.Tensor]:
-        """One round: combine the workers' pseudo-gradients, step the consensus; returns the new
-        consensus of each group, whole."""
-        return self.land(self.combine(self.pseudo_gradients(flats), stats), stats)
-
-    @torch.no_grad()
     def pseudo_gradients(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """This worker's pseudo-gradient of each group (its rail slice in node-aware rounds)."""
         return [c - flat[lo:hi] for c, flat, (lo, hi) in zip(self.tensors, flats, self.bounds())]
