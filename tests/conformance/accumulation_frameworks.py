@@ -13,8 +13,7 @@ from functools import partial
 import torch
 
 from .cells import Cell
-from .ddp_world import Config, Net, batch, simulate
-from .ddp_world import _optimizer as _ddp_optimizer
+from .ddp_world import Config, Net, batch, make_optimizer, simulate
 
 STEPS = 3
 KLASS = "what the hook is handed"
@@ -28,7 +27,7 @@ def accelerate(rank: int, world_size: int, kind: str) -> list[torch.Tensor]:
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     net = Net()
-    model, optimizer = accelerator.prepare(net, _ddp_optimizer(Config(kind), net, None))
+    model, optimizer = accelerator.prepare(net, make_optimizer(Config(kind), net, None))
     register_comm_hook(accelerator, model, optimizer)
     for step in range(STEPS):
         for micro in range(2):
@@ -68,7 +67,7 @@ def lightning(rank: int, world_size: int, kind: str) -> list[torch.Tensor]:
             return torch.nn.functional.cross_entropy(self.net(x, True), y)
 
         def configure_optimizers(self):
-            return _ddp_optimizer(Config(kind), self.net, None)
+            return make_optimizer(Config(kind), self.net, None)
 
     module = Module()
     trainer = pl.Trainer(

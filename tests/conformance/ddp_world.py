@@ -8,6 +8,7 @@ final parameters, ``simulate(config, world_size)`` every rank's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,11 @@ from signmuon.comm_hooks import SignVoteState, VoteConfig, sign_vote_hook
 from signmuon.optim import SignMuon, SignSGDMV, SignumMV
 from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 
+from .cells import Cell
+
 LR, BETA = 0.01, 0.9
 EXACT = VoteConfig(tie="exact")
+HOOKED = ("hook-signsgd", "hook-signum", "SignumMV", "SignSGDMV", "SignMuon")
 GROUPS = ((0.01, 0.1), (0.03, 0.0), (0.002, 0.5))
 """(lr, weight_decay) of body.0, body.2 and extra where ``Config.param_groups``."""
 
@@ -129,7 +133,8 @@ def _groups(config: Config, rank: int):
     return group, given
 
 
-def _optimizer(config: Config, net: Net, given):
+def make_optimizer(config: Config, net: Net, given):
+    """``config``'s optimizer of ``net`` (``given``: the process group it is handed, or None)."""
     options = dict(process_group=given, vote_in_step=config.in_step, vote=config.vote)
     params = list(net.body.parameters()) if config.added_later else list(net.parameters())
     if config.param_groups:
@@ -145,6 +150,34 @@ def _optimizer(config: Config, net: Net, given):
     return opt
 
 
+def ddp_cell(klass: str, case: str, config: Config, refusal: str | None = None) -> Cell:
+    """A cell of ``config``: equal to :func:`simulate` rank by rank, or refused with ``refusal``."""
+    atol = 1e-6 if config.entry.startswith("SignMuon") else 0.0  # Newton–Schulz in two processes
+    if refusal is not None:
+        return Cell(ENTRIES[config.entry], klass, case, partial(train, config=config), refusal=refusal)
+    return Cell(
+        ENTRIES[config.entry],
+        klass,
+        case,
+        partial(train, config=config),
+        partial(simulate, config),
+        atol=atol,
+        per_rank=True,
+    )
+
+
+def hooked(entry: str, net: Net, model) -> torch.optim.Optimizer:
+    """The entry's hook on DDP ``model`` and the optimizer that applies it."""
+    config = Config(entry)
+    if entry.startswith("hook-"):
+        momentum = BETA if entry == "hook-signum" else 0.0
+        model.register_comm_hook(SignVoteState(momentum=momentum, start_iter=config.warmup, vote=EXACT), sign_vote_hook)
+        return torch.optim.SGD(net.parameters(), lr=LR)
+    opt = make_optimizer(config, net, None)
+    opt.register_comm_hook(model)
+    return opt
+
+
 def train(rank: int, world_size: int, config: Config) -> list[torch.Tensor]:
     """Train ``config`` on this rank; its final parameters."""
     torch.set_num_threads(1)
@@ -152,7 +185,7 @@ def train(rank: int, world_size: int, config: Config) -> list[torch.Tensor]:
     net = Net()
     use_extra = rank not in config.unused_on
     if config.in_step:
-        model, opt = net, _optimizer(config, net, given if config.give_group != "none" else group)
+        model, opt = net, make_optimizer(config, net, given if config.give_group != "none" else group)
         for p in net.parameters():  # what DDP's start-up broadcast gives: rank 0's weights
             dist.broadcast(p.data, 0)
     else:
@@ -164,7 +197,7 @@ def train(rank: int, world_size: int, config: Config) -> list[torch.Tensor]:
             model.register_comm_hook(state, sign_vote_hook)
             opt = torch.optim.SGD(net.parameters(), lr=LR)
         else:
-            opt = _optimizer(config, net, given)
+            opt = make_optimizer(config, net, given)
             opt.register_comm_hook(model)
         if config.added_later:
             opt.add_param_group({"params": list(net.extra.parameters())})

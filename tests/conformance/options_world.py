@@ -14,13 +14,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from signmuon.comm_hooks import SignVoteState, sign_vote_hook
 from signmuon.optim import SignMuon, SignumMV, muon_param_groups
 from signmuon.optim.newton_schulz import as_matrix, newton_schulz
 
 from .cells import Cell
-from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, simulate
-from .ddp_world import _optimizer as _ddp_optimizer
+from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, hooked, simulate
 
 STEPS = 3
 ADAMW_LR, WD = 0.003, 0.1
@@ -180,21 +178,12 @@ def channels_last_reference(world_size: int) -> list[torch.Tensor]:
 # --- two DDP models in one process, each with its own hook -----------------------------------------
 
 
-def _hooked(entry: str, net: Net, model: DDP):
-    if entry == "hook-signsgd":
-        model.register_comm_hook(SignVoteState(momentum=0.0, start_iter=0, vote=EXACT), sign_vote_hook)
-        return torch.optim.SGD(net.parameters(), lr=LR)
-    opt = _ddp_optimizer(Config(entry), net, None)
-    opt.register_comm_hook(model)
-    return opt
-
-
 def two_models_train(rank: int, world_size: int, entries: tuple[str, str]) -> list[list[torch.Tensor]]:
     """Both models' zero_grad, then both backwards, then both steps: each hook votes its own buckets."""
     torch.set_num_threads(1)
     nets = [Net() for _ in entries]
     models = [DDP(net) for net in nets]
-    opts = [_hooked(entry, net, model) for entry, net, model in zip(entries, nets, models)]
+    opts = [hooked(entry, net, model) for entry, net, model in zip(entries, nets, models)]
     for step in range(STEPS):
         for opt in opts:
             opt.zero_grad()

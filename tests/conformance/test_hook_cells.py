@@ -11,49 +11,33 @@ from signmuon.optim import SignMuon, SignumMV
 
 from . import options_world, scaler_world
 from .cells import Cell, check_cells
-from .ddp_world import BETA, ENTRIES, EXACT, LR, Config, Net, backward, batch, simulate, train
-from .ddp_world import _optimizer as _ddp_optimizer
+from .ddp_world import ENTRIES, EXACT, HOOKED, LR, Config, Net, backward, ddp_cell, simulate, train
 from .test_fsdp_cells import fsdp_cells
+from .test_handed_cells import handed_cells
 
-HOOKED = ("hook-signsgd", "hook-signum", "SignumMV", "SignSGDMV", "SignMuon")
 IN_STEP = ("SignumMV-in-step", "SignMuon-in-step")
-
-
-def _cell(klass: str, case: str, config: Config, refusal: str | None = None) -> Cell:
-    atol = 1e-6 if config.entry.startswith("SignMuon") else 0.0  # Newton–Schulz in two processes
-    if refusal is not None:
-        return Cell(ENTRIES[config.entry], klass, case, partial(train, config=config), refusal=refusal)
-    return Cell(
-        ENTRIES[config.entry],
-        klass,
-        case,
-        partial(train, config=config),
-        partial(simulate, config),
-        atol=atol,
-        per_rank=True,
-    )
 
 
 def two_rank_cells() -> list[Cell]:
     cells = []
     for entry in HOOKED:
         cells += [
-            _cell(
+            ddp_cell(
                 "who has a gradient",
                 "Join: rank 1 runs out of data after 2 of 4 steps",
                 Config(entry, (4, 2), join=True),
             ),
-            _cell(
+            ddp_cell(
                 "who has a gradient",
                 "find_unused_parameters: a head unused on rank 1",
                 Config(entry, unused_on=(1,)),
             ),
-            _cell("what the hook is handed", "2 micro-batches under no_sync", Config(entry, micro=2)),
+            ddp_cell("what the hook is handed", "2 micro-batches under no_sync", Config(entry, micro=2)),
         ]
     for entry in HOOKED[2:]:
         cells += [
-            _cell("what runs after the hook", "clip_grad_norm_(0.1) before step()", Config(entry, clip=0.1)),
-            _cell(
+            ddp_cell("what runs after the hook", "clip_grad_norm_(0.1) before step()", Config(entry, clip=0.1)),
+            ddp_cell(
                 "what the optimizer holds",
                 "a head added by add_param_group after the hook",
                 Config(entry, added_later=True),
@@ -61,9 +45,9 @@ def two_rank_cells() -> list[Cell]:
         ]
     for entry in IN_STEP:
         cells += [
-            _cell("who has a gradient", "a head without a gradient on rank 1", Config(entry, unused_on=(1,))),
-            _cell("what the hook is handed", "2 micro-batches accumulated", Config(entry, micro=2)),
-            _cell(
+            ddp_cell("who has a gradient", "a head without a gradient on rank 1", Config(entry, unused_on=(1,))),
+            ddp_cell("what the hook is handed", "2 micro-batches accumulated", Config(entry, micro=2)),
+            ddp_cell(
                 "what runs after the hook",
                 "clip_grad_norm_(0.1) before step(): each worker's momentum sees its clipped gradient",
                 Config(entry, clip=0.1),
@@ -135,11 +119,11 @@ def four_rank_cells() -> list[Cell]:
         )
     for entry in HOOKED + IN_STEP:
         cells.append(
-            _cell("who votes", "DDP over data-parallel sub-groups {0,1}, {2,3}", Config(entry, (4,) * 4, halves))
+            ddp_cell("who votes", "DDP over data-parallel sub-groups {0,1}, {2,3}", Config(entry, (4,) * 4, halves))
         )
     for entry in HOOKED:
         cells.append(
-            _cell(
+            ddp_cell(
                 "who votes",
                 "sub-groups, WORLD given to the state or optimizer",
                 Config(entry, (2,) * 4, halves, give_group="world"),
@@ -162,12 +146,12 @@ def ddp_option_cells() -> list[Cell]:
     cells = []
     for entry in ("SignumMV", "SignMuon", "hook-signum"):
         cells += [
-            _cell(
+            ddp_cell(
                 "what the hook is handed",
                 "static_graph=True, find_unused_parameters, a head unused on rank 1",
                 Config(entry, unused_on=(1,), ddp_kwargs=static),
             ),
-            _cell(
+            ddp_cell(
                 "what the hook is handed",
                 "gradient_as_bucket_view=True, 2 micro-batches under no_sync, zero_grad(set_to_none=False)",
                 Config(entry, micro=2, set_to_none=False, ddp_kwargs=view),
@@ -175,7 +159,7 @@ def ddp_option_cells() -> list[Cell]:
         ]
     for entry in ("SignSGDMV", "hook-signsgd"):
         cells.append(
-            _cell(
+            ddp_cell(
                 "what the hook is handed",
                 "bucket_cap_mb=1e-4 (a bucket per parameter), find_unused_parameters, a head unused on rank 1",
                 Config(entry, unused_on=(1,), ddp_kwargs=tiny),
@@ -183,7 +167,7 @@ def ddp_option_cells() -> list[Cell]:
         )
     for entry in ("SignumMV", "SignSGDMV", "SignumMV-in-step"):
         cells.append(
-            _cell(
+            ddp_cell(
                 "what the optimizer holds",
                 "3 parameter groups, each its own lr and weight_decay, zero_grad(set_to_none=False)",
                 Config(entry, param_groups=True, set_to_none=False),
@@ -191,7 +175,7 @@ def ddp_option_cells() -> list[Cell]:
         )
     for entry in ("SignMuon", "SignMuon-in-step"):
         cells.append(
-            _cell(
+            ddp_cell(
                 "what the optimizer holds",
                 "non_matrix='adamw' (torch's AdamW on the mean gradient), 3 parameter groups, each its own lr and weight_decay",
                 Config(entry, param_groups=True, non_matrix="adamw"),
@@ -313,172 +297,3 @@ def test_refusals_name_the_remedy():
 
 
 # --- what DDP hands the hook: a second backward, the Python reducer, requires_grad toggled ------
-
-
-def _hooked(entry: str, net: Net, model: DDP):
-    """The entry's hook on ``model`` and the optimizer that applies it."""
-    config = Config(entry)
-    if entry.startswith("hook-"):
-        momentum = BETA if entry == "hook-signum" else 0.0
-        model.register_comm_hook(SignVoteState(momentum=momentum, start_iter=config.warmup, vote=EXACT), sign_vote_hook)
-        return torch.optim.SGD(net.parameters(), lr=LR)
-    opt = _ddp_optimizer(config, net, None)
-    opt.register_comm_hook(model)
-    return opt
-
-
-def _python_reducer(rank: int, world_size: int, entry: str):
-    """DDP built under ``optimize_ddp="python_reducer"`` (what compiled autograd's DDP uses): its
-    per-parameter hooks call the comm hook with ``(grad, param)`` and drop what it returns."""
-    import torch._dynamo
-
-    before = torch._dynamo.config.optimize_ddp
-    torch._dynamo.config.optimize_ddp = "python_reducer"
-    try:
-        net = Net()
-        model = DDP(net)
-        opt = _hooked(entry, net, model)
-        for step in range(2):
-            opt.zero_grad()
-            backward(model, rank, step, 0, True)
-            opt.step()
-        return [p.detach().clone() for p in net.parameters()]
-    finally:
-        torch._dynamo.config.optimize_ddp = before
-
-
-def _compiled_autograd(rank: int, world_size: int, entry: str):
-    """A real compiled autograd run: DDP built under ``optimize_ddp="python_reducer"`` (torch
-    refuses compiled autograd over the C++ reducer), a step whose forward and backward are
-    ``torch.compile(backend="aot_eager")``-d with ``torch._dynamo.config.compiled_autograd``."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    before = config.optimize_ddp, config.compiled_autograd
-    config.optimize_ddp = "python_reducer"
-    try:
-        net = Net()
-        model = DDP(net)
-        opt = _hooked(entry, net, model)
-        config.compiled_autograd = True
-
-        @torch.compile(backend="aot_eager")
-        def forward_backward(x, y):
-            torch.nn.functional.cross_entropy(model(x, True), y).backward()
-
-        for step in range(2):
-            opt.zero_grad()
-            forward_backward(*batch(rank, step, 0))
-            opt.step()
-        return [p.detach().clone() for p in net.parameters()]
-    finally:
-        config.optimize_ddp, config.compiled_autograd = before
-        torch._dynamo.reset()  # the next cells run uncompiled
-
-
-def _compiled_in_step(rank: int, world_size: int, config: Config):
-    """The refusal's remedy under compiled autograd: no DDP, ``vote_in_step=True``, forward and
-    backward ``torch.compile(backend="aot_eager")``-d with ``compiled_autograd``."""
-    import torch._dynamo
-
-    torch.set_num_threads(1)
-    net = Net()
-    opt = _ddp_optimizer(config, net, None)
-    for p in net.parameters():  # what DDP's start-up broadcast gives: rank 0's weights
-        torch.distributed.broadcast(p.data, 0)
-    torch._dynamo.config.compiled_autograd = True
-    try:
-
-        @torch.compile(backend="aot_eager")
-        def forward_backward(x, y):
-            torch.nn.functional.cross_entropy(net(x, True), y).backward()
-
-        for step in range(config.steps[rank]):
-            opt.zero_grad()
-            forward_backward(*batch(rank, step, 0))
-            opt.step()
-        return [p.detach().clone() for p in net.parameters()]
-    finally:
-        torch._dynamo.config.compiled_autograd = False
-        torch._dynamo.reset()
-
-
-def _unfrozen_later(rank: int, world_size: int, entry: str):
-    """The head frozen when DDP is built, unfrozen after the first step: DDP never reduces it."""
-    net = Net()
-    net.extra.requires_grad_(False)
-    model = DDP(net)
-    opt = _hooked(entry, net, model)
-    for step in range(3):
-        if step == 1:
-            net.extra.requires_grad_(True)
-        opt.zero_grad()
-        backward(model, rank, step, 0, True)
-        opt.step()
-    return [p.detach().clone() for p in net.parameters()]
-
-
-def handed_cells() -> list[Cell]:
-    """The bare hook is left out of the unfrozen cells: DDP itself never reduces a parameter
-    unfrozen after it was built."""
-    cells = []
-    for entry in ("SignumMV", "SignSGDMV", "hook-signsgd", "hook-signum"):  # SignMuon's: refusal_cells
-        cells.append(
-            _cell(
-                "what the hook is handed",
-                "a second backward before step() without no_sync",
-                Config(entry, (3, 3), micro=2, sync_every_micro=True),
-                refusal="accumulate micro-batches with their forward and backward under ddp_model.no_sync()",
-            )
-        )
-    for entry in ("hook-signsgd", "hook-signum"):  # the refusal above must not catch zeroed gradients
-        cells.append(
-            _cell(
-                "what the hook is handed",
-                "zero_grad(set_to_none=False) between steps",
-                Config(entry, (3, 3), set_to_none=False),
-            )
-        )
-    for entry in HOOKED:
-        cells.append(
-            Cell(
-                ENTRIES[entry],
-                "what the hook is handed",
-                "compiled autograd's per-parameter Python reducer (optimize_ddp='python_reducer')",
-                partial(_python_reducer, entry=entry),
-                refusal="optimize_ddp left at its default",
-            )
-        )
-    for entry in ("SignumMV", "hook-signsgd"):
-        cells.append(
-            Cell(
-                ENTRIES[entry],
-                "what the hook is handed",
-                "torch.compile(backend='aot_eager') with compiled_autograd=True over DDP's python_reducer: "
-                "refused on every rank",
-                partial(_compiled_autograd, entry=entry),
-                refusal="optimize_ddp left at its default",
-            )
-        )
-    compiled = Config("SignumMV-in-step", (2, 2))
-    cells.append(
-        Cell(
-            ENTRIES[compiled.entry],
-            "what the hook is handed",
-            "the remedy: torch.compile(backend='aot_eager') with compiled_autograd=True, no DDP",
-            partial(_compiled_in_step, config=compiled),
-            partial(simulate, compiled),
-            per_rank=True,
-        )
-    )
-    for entry in HOOKED[2:]:
-        cells.append(
-            Cell(
-                ENTRIES[entry],
-                "who has a gradient",
-                "a head frozen when DDP is built, unfrozen after step 1: refused naming requires_grad",
-                partial(_unfrozen_later, entry=entry),
-                refusal="Set requires_grad before building DDP",
-            )
-        )
-    return cells
