@@ -201,7 +201,8 @@ def _resumed(rank):
 def _out_of_step(rank):
     """Both ranks take fragment 0's round after step 5; rank 0, its round still in flight, asks
     for consensus_state_dict while rank 1 goes on to land it: raised on both, by name (rank 1
-    in its landing), not a collective of mismatched sizes."""
+    at its next collective of the averager, which reads its landing's check), not a collective
+    of mismatched sizes."""
     model, inner, averager = _averager(H, 2, 1, 0.0)
     in_flight = None
     try:
@@ -213,6 +214,7 @@ def _out_of_step(rank):
             rounds_loss(model, rounds_batch(rank, step)).backward()
             inner.step()
             averager.average_parameters(model.parameters())
+        averager.consensus_state_dict(model)
     except VoteMismatchError as error:
         return in_flight, str(error)
     return in_flight, None

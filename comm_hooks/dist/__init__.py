@@ -9,7 +9,7 @@ from .consistency import (
     settings_digest,
     tensor_fingerprint,
 )
-from .groups import NonFiniteError, VoteMismatchError, agree, barrier, gather_rows, group_device, group_size_rank
+from .groups import Agreement, NonFiniteError, VoteMismatchError, agree, barrier, gather_rows, group_device, group_size_rank
 from .stats import CommStats
 from .host import from_host, host_words
 from .tensors import all_reduce, all_to_all, flatten, mean_all_reduce, nonfinite_flag, ring_bytes, split_like, unflatten_into
@@ -20,6 +20,7 @@ __all__ = [
     "ReplicaDivergenceError",
     "SettingsMismatchError",
     "VoteMismatchError",
+    "Agreement",
     "agree",
     "all_reduce",
     "all_to_all",

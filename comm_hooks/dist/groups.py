@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .stats import CommStats
 from .host import from_host
 
-__all__ = ["NonFiniteError", "VoteMismatchError", "agree", "barrier", "gather_rows", "group_device", "group_size_rank"]
+__all__ = ["Agreement", "NonFiniteError", "VoteMismatchError", "agree", "barrier", "gather_rows", "group_device", "group_size_rank"]
 
 
 class NonFiniteError(RuntimeError):
@@ -100,29 +100,60 @@ def agree(
     what: str,
     describe: Mapping[str, Callable[[int], str]] | None = None,
     stats: CommStats | None = None,
-) -> None:
+    carried: torch.Tensor | None = None,
+) -> list[list[int]]:
     """Raise :class:`VoteMismatchError` on every rank unless every rank passes equal ``fields``.
 
     One all-gather of ``len(fields)`` int64 words: a fixed size, so ranks that disagree on any
     size still meet in it, unlike the collective they are about to enter. The error names every
     rank's values (``describe[name]`` formats a field's word). Call it with the same field
     names in the same order on every rank (the code at one call site does).
+
+    ``carried``: int64 words (on the group's device, the same count on every rank) that ride in
+    the same row uncompared, so what a caller gathers next needs no round trip of its own.
+    Returns every rank's carried words (empty lists without ``carried``).
     """
-    world_size, _ = group_size_rank(group)
-    if world_size == 1:
-        return
-    row = from_host([int(v) for v in fields.values()], torch.int64, group_device(group))
-    rows = gather_rows(row, group, stats).tolist()  # the one host read
-    if all(r == rows[0] for r in rows):
-        return
-    names = list(fields)
-    differing = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
-    describe = describe or {}
+    return Agreement(fields, group, what=what, describe=describe, stats=stats, carried=carried).wait()
 
-    def shown(name: str, word: int) -> str:
-        return describe[name](word) if name in describe else str(word)
 
-    per_rank = "; ".join(
-        f"rank {rank}: " + ", ".join(f"{n}={shown(n, r[names.index(n)])}" for n in differing) for rank, r in enumerate(rows)
-    )
-    raise VoteMismatchError(f"ranks entered {what} with different {', '.join(differing)} ({per_rank})")
+class Agreement:
+    """:func:`agree` with its all-gather issued now and checked at :meth:`wait`: where nothing
+    follows that the check must guard, so no rank waits for the others meanwhile."""
+
+    def __init__(
+        self,
+        fields: Mapping[str, int],
+        group: dist.ProcessGroup | None,
+        *,
+        what: str,
+        describe: Mapping[str, Callable[[int], str]] | None = None,
+        stats: CommStats | None = None,
+        carried: torch.Tensor | None = None,
+    ) -> None:
+        self._names, self._what, self._describe = list(fields), what, describe or {}
+        carried = torch.zeros(0, dtype=torch.int64, device=group_device(group)) if carried is None else carried
+        row = torch.cat([from_host([int(v) for v in fields.values()], torch.int64, carried.device), carried])
+        if group_size_rank(group)[0] == 1:
+            self._rows, self._work = row.unsqueeze(0), None
+        else:
+            self._rows, self._work = gather_rows(row, group, stats, async_op=True)
+
+    def wait(self) -> list[list[int]]:
+        """Every rank's carried words, or :class:`VoteMismatchError` on every rank."""
+        if self._work is not None:
+            self._work.wait()
+        gathered = self._rows.tolist()  # the one host read
+        count = len(self._names)
+        rows = [r[:count] for r in gathered]
+        if all(r == rows[0] for r in rows):
+            return [r[count:] for r in gathered]
+        differing = [n for i, n in enumerate(self._names) if len({r[i] for r in rows}) > 1]
+
+        def shown(name: str, word: int) -> str:
+            return self._describe[name](word) if name in self._describe else str(word)
+
+        per_rank = "; ".join(
+            f"rank {rank}: " + ", ".join(f"{n}={shown(n, r[self._names.index(n)])}" for n in differing)
+            for rank, r in enumerate(rows)
+        )
+        raise VoteMismatchError(f"ranks entered {self._what} with different {', '.join(differing)} ({per_rank})")

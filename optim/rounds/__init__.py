@@ -6,7 +6,8 @@
 * :mod:`.dppf`: DPPF's pull and push around the round's target;
 * :mod:`.outer_step`: :class:`OuterStep`, the consensus stepped with the pseudo-gradients
   (``OuterStep.diloco()`` is DiLoCo), and :mod:`.pseudo_gradients`, how they are combined;
-* :mod:`.consensus`: the consensus state and the checks every round starts with;
+* :mod:`.consensus`: the consensus state of rounds with an outer step;
+* :mod:`.agreement`: the checks every collective of the averager starts with;
 * :mod:`.rails`: node-aware rounds, each local rank's slice over its rail;
 * :mod:`.streaming`: streaming rounds (Streaming DiLoCo): fragments, each round taken τ steps
   before it lands;

@@ -10,12 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from signmuon.comm_hooks.dist import group_size_rank, settings_digest
+from signmuon.comm_hooks.dist import group_size_rank
 from signmuon.optim.checkpoint import agree_to_load
 
-from .consensus import agree_on_call
 from .members import consensus_state, trained
-from .settings import averager_settings
 from .streaming import Fragment
 
 __all__ = ["SavedRounds"]
@@ -53,15 +51,7 @@ class SavedRounds:
                 "consensus_state_dict(module): its parameters that require grad are not those the consensus "
                 "was made of (LocalStepAverager(module=...)'s); pass that module (or the DDP model around it)"
             )
-        agree_on_call(
-            "consensus_state_dict",
-            self.step,
-            params,
-            self.process_group,
-            None,
-            settings=settings_digest(averager_settings(self)),
-            restored_without_consensus=self._restored_without_consensus,
-        )
+        self._agree_on_call("consensus_state_dict", self.step, params, None)
         self._settle()  # every rank is at this step: every rank issued what is in flight
         wholes = [(part.params, part.consensus.whole()) for part in self.fragments]
         return consensus_state(module, wholes, self.process_group)
@@ -78,6 +68,7 @@ class SavedRounds:
         between its issue and its landing lands it as it would. It is saved as bytes (``"landing"``),
         so the state's names are the same whichever round is in flight: DCP, which loads by
         name into a fresh averager's state, stores them as one object."""
+        self._check_landing()  # its distances are saved, as the uninterrupted run has them next
         self._settle()
         return {
             "rank": group_size_rank(self.process_group)[1],
@@ -122,6 +113,7 @@ class SavedRounds:
         self.max_distance = float(state["max_distance"])
         self.stats.load_state_dict(state["stats"])
         self._settle()  # a round of the run given up: not landed here
+        self._landing_check = None  # the last landing's check, of the run given up
         landing = _landing(state.get("landing")) or [None] * len(self.fragments)
         skipped = state.get("landing_skipped") or [False] * len(self.fragments)
         for part, saved_part, combined, skip in zip(self.fragments, consensus, landing, skipped):

@@ -1,5 +1,5 @@
-"""The state rounds share and the checks that make a round safe: the consensus of rounds
-with an outer step, the flags every round starts with, and the refusal of mixed shards."""
+"""The state rounds with an outer step share (the consensus, its outer optimizer and error
+feedback), and the refusal of rounds over mixed shards."""
 
 from __future__ import annotations
 
@@ -11,24 +11,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from signmuon.comm_hooks import CommStats, NodeLayout
-from signmuon.comm_hooks.dist import (
-    agree,
-    gather_rows,
-    group_device,
-    nonfinite_flag,
-    settings_digest,
-    tensor_fingerprint,
-)
+from signmuon.comm_hooks.dist import agree, tensor_fingerprint
 
-from ..params import local_tensor
 from .outer_step import OuterStep
 from .pseudo_gradients import RULES, Combining, scale_blocks, start_combining
 from .rails import gather_slices, rail_bounds, rail_group
 
-__all__ = ["CALLS", "Consensus", "agree_on_call", "check_shards", "round_flags"]
-
-CALLS = ("a local-step round", "consensus_state_dict")
-"""The averager's collectives, as :func:`agree_on_call` names them."""
+__all__ = ["Consensus", "check_shards"]
 
 
 class Consensus:
@@ -162,88 +151,6 @@ class Consensus:
             for e, saved_e in zip(buffers, saved):
                 e.copy_(saved_e)
         self.rounds = int(state["rounds"])
-
-
-def agree_on_call(
-    call: str,
-    steps: int,
-    params: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    stats: CommStats | None,
-    *,
-    settings: int,
-    restored_without_consensus: bool = False,
-) -> None:
-    """Raise on every rank unless every rank enters the same collective of the averager
-    (``call``, one of :data:`CALLS`) after the same number of optimizer steps, with the same
-    parameter shapes, ``settings`` digest and consensus. One all-gather of six words, the same
-    row for every call: a rank a step ahead (in a round while the others ask for the consensus,
-    or asking for it at another step) meets the others here and raises ``VoteMismatchError``
-    naming each rank's call and steps, instead of entering a collective the others do not
-    (gloo aborts, NCCL hangs). ``restored_without_consensus``: this rank's step was restored but
-    not its consensus (``ValueError`` on every rank where all agree on it)."""
-    shapes = settings_digest({"shapes": [(str(p.dtype), tuple(p.shape)) for p in params]})
-    fields = {
-        "call": CALLS.index(call),
-        "steps": steps,
-        "parameters": len(params),
-        "shapes": shapes,
-        "settings": settings,
-        "consensus": int(restored_without_consensus),
-    }
-    agree(
-        fields,
-        group,
-        what="a local-step round or consensus_state_dict (every rank enters them after as many optimizer steps)",
-        describe={"call": CALLS.__getitem__, "consensus": lambda word: "not restored" if word else "its own"},
-        stats=stats,
-    )
-    if restored_without_consensus:
-        raise ValueError(
-            f"the averager's step ({steps}) was restored without its consensus and outer optimizer "
-            "(PostLocalSGDOptimizer.load_state_dict alone): load LocalStepAverager.state_dict() too, or resume "
-            "through local_sgd's optimizer, whose state_dict holds it"
-        )
-
-
-@torch.no_grad()
-def round_flags(
-    params: list[torch.Tensor],
-    buffers: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    steps: int,
-    stats: CommStats,
-    *,
-    settings: int = 0,
-    unchecked: bool = False,
-    restored_without_consensus: bool = False,
-) -> tuple[list[torch.Tensor], list[int], bool]:
-    """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
-    ``buffers``, whether any rank is ``unchecked``): one all-gather, after :func:`agree_on_call`
-    has checked that every rank is in a round after ``steps`` optimizer steps with the same
-    parameter shapes and ``settings`` digest (else ``VoteMismatchError`` on every rank, rather
-    than a collective of mismatched sizes). Parameters with a gradient on any rank take part
-    everywhere, so one unused on a single rank is still averaged consistently."""
-    device = group_device(group)
-    agree_on_call(
-        CALLS[0], steps, params, group, stats, settings=settings, restored_without_consensus=restored_without_consensus
-    )
-    # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unchecked, the buffers' NaN/Inf).
-    flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
-    flags[-1, 0] = int(unchecked)
-    if params:
-        flags[:-1, 0] = torch.tensor([p.grad is not None for p in params], device=device)
-        flags[:-1, 1] = torch.stack([nonfinite_flag(local_tensor(p).detach()).to(device) for p in params])
-    if buffers:
-        flags[-1, 1] = torch.stack([nonfinite_flag(b).to(device) for b in buffers]).any()
-    gathered = gather_rows(flags, group, stats).bool()  # [M, P + 1, 2]
-    used = gathered[:, :-1, 0].any(dim=0)  # [P]
-    bad = (gathered[:, :-1, 1] & used).any(dim=1) | gathered[:, -1, 1]  # [M]
-    return (
-        [p for p, u in zip(params, used.tolist()) if u],
-        bad.nonzero().view(-1).tolist(),
-        bool(gathered[:, -1, 0].any()),
-    )
 
 
 def check_shards(module: nn.Module, group: dist.ProcessGroup, push: float, layout: NodeLayout | None) -> None:

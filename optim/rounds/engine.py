@@ -5,6 +5,7 @@ push (:mod:`~signmuon.optim.rounds.dppf`) act around that target."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,17 +17,16 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from signmuon.comm_hooks import NodeLayout
 from signmuon.comm_hooks.dist import (
     CommStats,
-    NonFiniteError,
-    check_same_settings,
     flatten,
     mean_all_reduce,
     settings_digest,
     unflatten_into,
 )
 
+from .agreement import CALLS, AgreedRounds, CallAgreement
 from .aliases import refuse_shared_memory
 from .checkpoints import SavedRounds
-from .consensus import CALLS, Consensus, agree_on_call, check_shards, round_flags
+from .consensus import Consensus, check_shards
 from .dppf import pull_push, worker_distances
 from .members import all_params, by_dtype_and_device, first_names, in_module_order, local_groups, trained
 from .outer_step import OuterStep
@@ -44,7 +44,7 @@ from .streaming import (
 __all__ = ["DISTANCES", "LocalStepAverager"]
 
 
-class LocalStepAverager(SavedRounds, ModelAverager):
+class LocalStepAverager(AgreedRounds, SavedRounds, ModelAverager):
     """The averager of local-step training (local SGD, DPPF, DiLoCo, MuLoCo, one-bit and
     node-aware rounds); plugs into ``PostLocalSGDOptimizer`` like ``PeriodicModelAverager``.
 
@@ -65,6 +65,10 @@ class LocalStepAverager(SavedRounds, ModelAverager):
             each tensor on its own (each moves ``push`` away from its own average).
         track_distances: gather every worker's r_i each round (a tiny all-gather) for the
             statistics ``mean_distance`` / ``max_distance``; off leaves them at this rank's r_i.
+            A streamed round's (``sync_delay > 0``) ride in its landing's check, which is
+            issued as it lands and read at the averager's next collective (the next take,
+            ``consensus_state_dict`` or ``state_dict``), so that a landing waits for no other
+            rank: the statistics are the previous landing's until then.
         nonfinite: what a round does when some rank's parameters (or averaged buffers) hold NaN
             or Inf: ``"skip"`` skips the round on every rank (counted in ``stats.skipped``), so no
             replica averages the bad one in; ``"raise"`` raises ``NonFiniteError`` on every rank.
@@ -93,7 +97,7 @@ class LocalStepAverager(SavedRounds, ModelAverager):
     ``mean_distance`` / ``max_distance`` are then this shard's.
 
     Each round starts with small all-gathers that make it safe against what differs between
-    ranks (:func:`~signmuon.optim.rounds.consensus.round_flags`): a mismatch raises on every rank,
+    ranks (:mod:`~signmuon.optim.rounds.agreement`): a mismatch raises on every rank,
     and so does a rank that reaches a round or :meth:`consensus_state_dict` after another number
     of optimizer steps than the others. Tied weights (one Parameter under several names) take
     part once; two Parameters over the same memory are refused.
@@ -229,40 +233,6 @@ class LocalStepAverager(SavedRounds, ModelAverager):
         if lands is not None:
             self._land(self.fragments[lands])
 
-    def _check_settings(self) -> None:
-        """At a fresh averager's first collective: the same settings on every rank."""
-        if not self._settings_checked:
-            check_same_settings(averager_settings(self), self.process_group, what="LocalStepAverager settings")
-            self._settings_checked = True
-
-    def _agreed_params(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The parameters every rank averages this round, or None when the round is skipped."""
-        if dist._rank_not_in_group(self.process_group):
-            return None
-        unchecked = self.outer is not None and not self._consensus_checked
-        used, bad_ranks, check_consensus = round_flags(
-            params,
-            self._buffers(),
-            self.process_group,
-            self.step + 1,  # the steps taken, this one included
-            self.stats,
-            settings=settings_digest(averager_settings(self)),
-            unchecked=unchecked,
-            restored_without_consensus=self._restored_without_consensus,
-        )
-        if check_consensus:  # some rank is new to this consensus (first round, or loaded): all compare
-            for part in self.fragments:
-                part.consensus.check_same_start(self.stats)
-            self._consensus_checked = True
-        if bad_ranks:
-            self.stats.skipped += 1
-            if self.nonfinite == "raise":
-                raise NonFiniteError(
-                    f"NaN or Inf in the parameters of rank(s) {bad_ranks} at a round (step {self.step})"
-                )
-            return None
-        return used
-
     def _buffers(self) -> list[torch.Tensor]:
         if not (self.average_buffers and self.module is not None):
             return []
@@ -295,11 +265,11 @@ class LocalStepAverager(SavedRounds, ModelAverager):
     def _land(self, part: Fragment) -> None:
         """A fragment's round, landed: the outer step, then each worker toward the new consensus."""
         part.settle(self.stats)
-        if self.sync_delay and not dist._rank_not_in_group(self.process_group):
-            # taken τ steps ago: its landing's collectives (distances, buffers) are checked again
-            settings = settings_digest(averager_settings(self))
-            agree_on_call(CALLS[0], self.step + 1, part.params, self.process_group, self.stats, settings=settings)
-        if part.skipped or dist._rank_not_in_group(self.process_group):
+        in_group = not dist._rank_not_in_group(self.process_group)
+        if self.sync_delay and self._buffers() and in_group:
+            # taken τ steps ago: the buffers' mean, the landing's one collective, is checked first
+            self._agree_on_call(CALLS[0], self.step + 1, part.params, self.stats)
+        if part.skipped or not in_group:
             part.skipped = False
             return
         if part.combined is None:
@@ -311,19 +281,42 @@ class LocalStepAverager(SavedRounds, ModelAverager):
         targets = part.consensus.land(combined, self.stats)
         groups = local_groups(part.params)
         pull = self.pull * (1.0 - self.update_alpha)
-        self._pull_push(groups, [flatten(tensors) for tensors in groups], targets, pull)
+        distance = self._pull_push(
+            groups, [flatten(tensors) for tensors in groups], targets, pull, gather=not self.sync_delay
+        )
+        if self.sync_delay:  # checked, with every worker's distance, at the averager's next collective
+            self._landing_check = CallAgreement(
+                CALLS[0],
+                self.step + 1,
+                part.params,
+                self.process_group,
+                self.stats,
+                settings=settings_digest(averager_settings(self)),
+                distance=distance,
+            )
 
     def _pull_push(
-        self, groups: list[list[torch.Tensor]], flats: list[torch.Tensor], targets: list[torch.Tensor], pull: float
-    ) -> None:
+        self,
+        groups: list[list[torch.Tensor]],
+        flats: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        pull: float,
+        *,
+        gather: bool = True,
+    ) -> float:
+        """Every worker toward ``targets`` (and DPPF's push); returns this worker's distance, and
+        sets the statistics: the workers' distances, gathered where ``gather``, else this one's."""
         distances = []
         per_tensor = self.distance == "tensor"
         for tensors, flat, target in zip(groups, flats, targets):
             distances += pull_push(tensors, flat, target, pull, self.push, self.eps, per_tensor=per_tensor)
         if self.average_buffers and self.module is not None:
             self._average_buffers()
-        self.mean_distance, self.max_distance = worker_distances(distances, self.process_group, self.track_distances)
+        self.mean_distance, self.max_distance = worker_distances(
+            distances, self.process_group, self.track_distances and gather
+        )
         self.rounds += 1
+        return math.sqrt(sum(r * r for r in distances))
 
     def _average_buffers(self) -> None:
         for tensors in by_dtype_and_device(self._buffers()):
