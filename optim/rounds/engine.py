@@ -96,10 +96,12 @@ class LocalStepAverager(AgreedRounds, SavedRounds, ModelAverager):
     ``process_group=mesh["node"].get_group()``; the rounds run on this rank's shards, and
     ``mean_distance`` / ``max_distance`` are then this shard's.
 
-    Each round starts with small all-gathers that make it safe against what differs between
-    ranks (:mod:`~signmuon.optim.rounds.agreement`): a mismatch raises on every rank,
-    and so does a rank that reaches a round or :meth:`consensus_state_dict` after another number
-    of optimizer steps than the others. Tied weights (one Parameter under several names) take
+    Each round starts with a small all-gather (two without an outer step, whose rounds gather
+    who has a gradient) that makes it safe against what differs between ranks
+    (:mod:`~signmuon.optim.rounds.agreement`): a mismatch raises on every rank, and so does a
+    rank that reaches a round or :meth:`consensus_state_dict` after another number of optimizer
+    steps than the others (a streamed round's landing: at that rank's next collective of the
+    averager). Tied weights (one Parameter under several names) take
     part once; two Parameters over the same memory are refused.
 
     Statistics (read them off the object): ``rounds``, ``mean_distance``, ``max_distance``
