@@ -198,12 +198,12 @@ def _resumed(rank):
     return history, torch.cat([t.reshape(-1) for t in consensus.values()])
 
 
-def _out_of_step(rank):
+def _out_of_step(rank, rule):
     """Both ranks take fragment 0's round after step 5; rank 0, its round still in flight, asks
     for consensus_state_dict while rank 1 goes on to land it: raised on both, by name (rank 1
-    at its next collective of the averager, which reads its landing's check), not a collective
-    of mismatched sizes."""
-    model, inner, averager = _averager(H, 2, 1, 0.0)
+    at its next collective of the averager, which reads its landing's check, or, where its
+    landing issues a second phase, before that), not a collective of mismatched sizes or a hang."""
+    model, inner, averager = _averager(H, 2, 1, 0.0, rule)
     in_flight = None
     try:
         for step in range(6):
@@ -233,7 +233,7 @@ def _ours_worker(rank, world_size, out_dir):
         waits,
         _overlapped(rank, out_dir),
         _resumed(rank),
-        _out_of_step(rank),
+        [_out_of_step(rank, rule) for rule in ("mean", "scaled_sign")],
     )
 
 
@@ -435,7 +435,7 @@ def _streaming_checks(ours):
         history, consensus = ours[replica][5]
         assert all(torch.equal(a, b) for a, b in zip(history, uninterrupted[replica])), replica
         assert torch.equal(consensus, ours[0][5][1])
-        in_flight, raised = ours[replica][6]
-        assert raised is not None and "steps=5" in raised and "steps=6" in raised, raised
-        assert "call=consensus_state_dict" in raised and "call=a local-step round" in raised, raised
-        assert in_flight == (True if replica == 0 else None)
+        for in_flight, raised in ours[replica][6]:  # fp32, then scaled_sign (two phases)
+            assert raised is not None and "steps=5" in raised and "steps=6" in raised, raised
+            assert "call=consensus_state_dict" in raised and "call=a local-step round" in raised, raised
+            assert in_flight == (True if replica == 0 else None)

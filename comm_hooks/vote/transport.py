@@ -304,6 +304,11 @@ class TransportWork:
         return self._stage == 2
 
     @property
+    def two_phase(self) -> bool:
+        """Whether a second collective follows the first (issued by :meth:`advance`)."""
+        return self._plan.two_phase
+
+    @property
     def in_flight(self) -> dist.Work | None:
         """The collective of the stage started last while this work is unfinished (None: none)."""
         return self._work if self._stage < 2 else None

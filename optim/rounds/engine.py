@@ -266,11 +266,12 @@ class LocalStepAverager(AgreedRounds, SavedRounds, ModelAverager):
     @torch.no_grad()
     def _land(self, part: Fragment) -> None:
         """A fragment's round, landed: the outer step, then each worker toward the new consensus."""
-        part.settle(self.stats)
         in_group = not dist._rank_not_in_group(self.process_group)
-        if self.sync_delay and self._buffers() and in_group:
-            # taken τ steps ago: the buffers' mean, the landing's one collective, is checked first
+        issues = part.in_flight is not None and part.in_flight.issues_at_wait()
+        if self.sync_delay and in_group and (issues or self._buffers()):
+            # taken τ steps ago: the landing's own collectives (a second phase, the buffers' mean) are checked first
             self._agree_on_call(CALLS[0], self.step + 1, part.params, self.stats)
+        part.settle(self.stats)
         if part.skipped or not in_group:
             part.skipped = False
             return

@@ -48,6 +48,10 @@ class Combining:
         """The collectives in flight now."""
         return self._works + [t.in_flight for t in self._transports if t.in_flight is not None]
 
+    def issues_at_wait(self) -> bool:
+        """Whether :meth:`wait` issues a collective of its own (a two-phase reduction's second)."""
+        return any(t.two_phase and t.in_flight is not None for t in self._transports)
+
     def wait(self) -> torch.Tensor:
         for work in self._works:
             work.wait()

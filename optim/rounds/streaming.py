@@ -163,6 +163,10 @@ class InFlight:
     def _stamp(self, _future) -> None:
         self._done = max(self._done, time.perf_counter())
 
+    def issues_at_wait(self) -> bool:
+        """Whether waiting issues a collective (a two-phase reduction's second phase)."""
+        return any(combining.issues_at_wait() for combining in self._combining)
+
     def wait(self) -> tuple[list[torch.Tensor], float, float]:
         """(the combined pseudo-gradients, seconds the combine took from its issue, seconds
         training waited for it): its collectives while training went on, then all of the
