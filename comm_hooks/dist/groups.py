@@ -93,16 +93,9 @@ def gather_rows(
     return (rows, work) if async_op else rows
 
 
-def agree(
-    fields: Mapping[str, int],
-    group: dist.ProcessGroup | None,
-    *,
-    what: str,
-    describe: Mapping[str, Callable[[int], str]] | None = None,
-    stats: CommStats | None = None,
-    carried: torch.Tensor | None = None,
-) -> list[list[int]]:
-    """Raise :class:`VoteMismatchError` on every rank unless every rank passes equal ``fields``.
+def agree(fields: Mapping[str, int], group: dist.ProcessGroup | None, **options) -> list[list[int]]:
+    """Raise :class:`VoteMismatchError` on every rank unless every rank passes equal ``fields``
+    (``options``: :class:`Agreement`'s), waiting for the all-gather now.
 
     One all-gather of ``len(fields)`` int64 words: a fixed size, so ranks that disagree on any
     size still meet in it, unlike the collective they are about to enter. The error names every
@@ -113,7 +106,7 @@ def agree(
     the same row uncompared, so what a caller gathers next needs no round trip of its own.
     Returns every rank's carried words (empty lists without ``carried``).
     """
-    return Agreement(fields, group, what=what, describe=describe, stats=stats, carried=carried).wait()
+    return Agreement(fields, group, **options).wait()
 
 
 class Agreement:

@@ -28,66 +28,37 @@ from signmuon.comm_hooks.dist import (
 from ..params import local_tensor
 from .settings import averager_settings
 
-__all__ = ["AgreedRounds", "CALLS", "CallAgreement", "Carried", "agree_on_call", "outer_round_flags", "round_flags"]
+__all__ = ["AgreedRounds", "CALLS", "CallAgreement", "Carried", "outer_round_flags", "round_flags"]
 
 CALLS = ("a local-step round", "consensus_state_dict")
-"""The averager's collectives, as :func:`agree_on_call` names them."""
+"""The averager's collectives, as :class:`CallAgreement` names them."""
 
 
 class Carried(NamedTuple):
-    """What each rank's agreement row carries uncompared (:func:`agree_on_call`)."""
+    """What each rank's agreement row carries uncompared (:class:`CallAgreement`)."""
 
     unchecked: bool
     """This rank is new to the consensus (its first round, or loaded)."""
     nonfinite: bool
     """NaN or Inf in the parameters or buffers this rank's round takes (outer rounds)."""
     distance: float
-    """This rank's distance to the consensus at the last landing not yet gathered (NaN: none)."""
-
-
-def agree_on_call(
-    call: str,
-    steps: int,
-    params: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    stats: CommStats | None,
-    *,
-    settings: int,
-    restored_without_consensus: bool = False,
-    unchecked: bool = False,
-    nonfinite: torch.Tensor | None = None,
-    distance: float | None = None,
-) -> list[Carried]:
-    """Raise on every rank unless every rank enters the same collective of the averager
-    (``call``, one of :data:`CALLS`) after the same number of optimizer steps, with the same
-    parameter shapes, ``settings`` digest and consensus. One all-gather of nine words, the same
-    row for every call: a rank a step ahead (in a round while the others ask for the consensus,
-    or asking for it at another step) meets the others here and raises ``VoteMismatchError``
-    naming each rank's call and steps, instead of entering a collective the others do not
-    (gloo aborts, NCCL hangs). ``restored_without_consensus``: this rank's step was restored but
-    not its consensus (``ValueError`` on every rank where all agree on it).
-
-    Three words ride in the row uncompared (``unchecked``, ``nonfinite``, a 0-d bool tensor on
-    the device, and ``distance``); returns every rank's, so a round with an outer step needs no
-    other all-gather before its combine."""
-    return CallAgreement(
-        call,
-        steps,
-        params,
-        group,
-        stats,
-        settings=settings,
-        restored_without_consensus=restored_without_consensus,
-        unchecked=unchecked,
-        nonfinite=nonfinite,
-        distance=distance,
-    ).wait()
+    """This rank's distance to the consensus at a streamed round's landing (NaN: not a landing)."""
 
 
 class CallAgreement:
-    """:func:`agree_on_call` issued now and checked at :meth:`wait` (its arguments): a streamed
-    round's landing, which no collective of its own follows, checked at the averager's next
-    collective, so that it waits for no other rank."""
+    """Every rank enters the same collective of the averager (``call``, one of :data:`CALLS`)
+    after the same number of optimizer steps, with the same parameter shapes, ``settings``
+    digest and consensus, or :meth:`wait` raises on every rank. One all-gather of nine words,
+    the same row for every call, issued here: a rank a step ahead (in a round while the others
+    ask for the consensus, or asking for it at another step) meets the others in it and raises
+    ``VoteMismatchError`` naming each rank's call and steps, instead of entering a collective
+    the others do not (gloo aborts, NCCL hangs). ``restored_without_consensus``: this rank's
+    step was restored but not its consensus (``ValueError`` on every rank where all agree on it).
+
+    Three words ride in the row uncompared (``unchecked``, ``nonfinite``, a 0-d bool tensor on
+    the device, and ``distance``): a round with an outer step needs no other all-gather before
+    its combine. Waited for at once before a collective it guards; a streamed landing's, which
+    none follows, at the averager's next collective, so that the landing waits for no rank."""
 
     def __init__(
         self,
@@ -147,13 +118,13 @@ def round_flags(
     settings: int = 0,
 ) -> tuple[list[torch.Tensor], list[int]]:
     """(the parameters with a gradient on any rank, the ranks holding NaN/Inf in those or in
-    ``buffers``) of a round without an outer step: one all-gather, after :func:`agree_on_call`
+    ``buffers``) of a round without an outer step: one all-gather, after :class:`CallAgreement`
     has checked that every rank is in a round after ``steps`` optimizer steps with the same
     parameter shapes and ``settings`` digest (else ``VoteMismatchError`` on every rank, rather
     than a collective of mismatched sizes). Parameters with a gradient on any rank take part
     everywhere, so one unused on a single rank is still averaged consistently."""
     device = group_device(group)
-    agree_on_call(CALLS[0], steps, params, group, stats, settings=settings)
+    CallAgreement(CALLS[0], steps, params, group, stats, settings=settings).wait()
     # [P + 1, 2] uint8: (has a gradient, holds NaN/Inf) per parameter, then (unused, the buffers' NaN/Inf).
     flags = torch.zeros(len(params) + 1, 2, dtype=torch.uint8, device=device)
     if params:
@@ -180,13 +151,13 @@ def outer_round_flags(
     restored_without_consensus: bool,
 ) -> list[Carried]:
     """Every rank's :class:`Carried` words at a round with an outer step, checked as
-    :func:`agree_on_call` checks, in its one all-gather: every trained parameter takes part in
+    :class:`CallAgreement` checks, in its one all-gather: every trained parameter takes part in
     the pseudo-gradient, so no rank's gradients need gathering, and NaN or Inf in any of
     ``params`` or ``buffers`` counts."""
     device = group_device(group)
     tensors = [local_tensor(p).detach() for p in params] + list(buffers)
     nonfinite = torch.stack([nonfinite_flag(t).to(device) for t in tensors]).any() if tensors else None
-    return agree_on_call(
+    return CallAgreement(
         CALLS[0],
         steps,
         params,
@@ -196,7 +167,7 @@ def outer_round_flags(
         restored_without_consensus=restored_without_consensus,
         unchecked=unchecked,
         nonfinite=nonfinite,
-    )
+    ).wait()
 
 
 class AgreedRounds:
@@ -248,10 +219,10 @@ class AgreedRounds:
         return used
 
     def _agree_on_call(self, call: str, steps: int, params: list[torch.Tensor], stats: CommStats | None) -> None:
-        """:func:`agree_on_call` for this averager, after the last streamed landing's check."""
+        """:class:`CallAgreement` for this averager, after the last streamed landing's check."""
         self._check_landing()
         settings = settings_digest(averager_settings(self))
-        agree_on_call(
+        CallAgreement(
             call,
             steps,
             params,
@@ -259,7 +230,7 @@ class AgreedRounds:
             stats,
             settings=settings,
             restored_without_consensus=self._restored_without_consensus,
-        )
+        ).wait()
 
     def _check_landing(self) -> None:
         """Read the last streamed landing's check: a rank out of step with the others raises
